@@ -1,0 +1,41 @@
+"""The package's kernel builder: where its templates live and how ops declare families."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from jit_kernels import KernelBuilder, KernelFamily
+
+from ._version import __version__
+
+
+def _template_root() -> Path:
+    # In a wheel the templates ship inside the package; in a source checkout they sit
+    # beside it at the repository root.
+    packaged = Path(__file__).parent / "templates"
+    return packaged if packaged.is_dir() else Path(__file__).parent.parent / "templates"
+
+
+TEMPLATE_ROOT = _template_root()
+WORKLOAD_ROOT = Path(__file__).parent / "workloads"
+BUILDER = KernelBuilder(TEMPLATE_ROOT, __version__)
+
+
+def kernel_family(
+    family: str,
+    template: str,
+    kernel: str,
+    param_names: Sequence[str],
+    signature: Sequence[str],
+    compiler: str = "nvrtc",
+) -> KernelFamily:
+    return KernelFamily(BUILDER, family, template, kernel, param_names, signature, compiler)
+
+
+def cuda_device_index(tensor: torch.Tensor) -> int:
+    """The CUDA device index of ``tensor`` (which must live on a CUDA device)."""
+    index = tensor.device.index
+    return torch.cuda.current_device() if index is None else index

@@ -1,0 +1,44 @@
+"""jit_kernels: render, compile (NVRTC / CuTe DSL), cache, load and launch GPU kernels.
+
+The engine knows no op: ops describe kernel families (a template and its parameters)
+and call ``KernelFamily.get(params, device).launch(...)``.
+"""
+
+from .arch import DEFAULT_OFFLINE_ARCHS, arch_for_capability, device_arch, target_archs
+from .build import KernelBuilder
+from .cache import CubinCache, InsecureCacheError, default_cache_root, prebuilt_roots
+from .compile import CompileError, CompiledKernel, compile_cubin, nvrtc_version
+from .dispatch import FallbackError, fall_back, kernels_disabled, validate_inputs
+from .family import KernelFamily, KernelUnavailable
+from .launch import ArgPacker, LaunchError, LoadedKernel, current_stream
+from .render import RenderedSource, render
+from .spec import KernelSpec
+
+__all__ = [
+    "DEFAULT_OFFLINE_ARCHS",
+    "ArgPacker",
+    "CompileError",
+    "CompiledKernel",
+    "CubinCache",
+    "FallbackError",
+    "InsecureCacheError",
+    "KernelBuilder",
+    "KernelFamily",
+    "KernelSpec",
+    "KernelUnavailable",
+    "LaunchError",
+    "LoadedKernel",
+    "RenderedSource",
+    "arch_for_capability",
+    "compile_cubin",
+    "current_stream",
+    "default_cache_root",
+    "device_arch",
+    "fall_back",
+    "kernels_disabled",
+    "nvrtc_version",
+    "prebuilt_roots",
+    "render",
+    "target_archs",
+    "validate_inputs",
+]

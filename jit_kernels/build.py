@@ -1,0 +1,80 @@
+"""From a KernelSpec to cubin bytes for an arch: render, key, disk cache, compile."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from .cache import CubinCache, default_cache_root, prebuilt_roots
+from .compile import CompiledKernel, compile_cubin, compiler_identity
+from .render import render
+from .spec import KernelSpec, sha256_hex
+
+log = logging.getLogger("flashinfer_jit.jit")
+
+
+class KernelBuilder:
+    """Builds specializations of the kernels under one template root.
+
+    In-process results are memoized per (spec, arch), so a specialization is compiled
+    once per arch however many devices or threads ask for it.
+    """
+
+    def __init__(self, template_root: Path, version: str, cache: CubinCache | None = None):
+        self.template_root = template_root
+        self.version = version
+        self._cache = cache
+        self._built: dict[tuple[KernelSpec, str], CompiledKernel] = {}
+        self._locks: dict[tuple[KernelSpec, str], threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    @property
+    def cache(self) -> CubinCache:
+        # Resolved lazily so the environment variables are read when first needed.
+        if self._cache is None:
+            self._cache = CubinCache(default_cache_root(), prebuilt_roots(), self.version)
+        return self._cache
+
+    def cache_key(self, spec: KernelSpec, arch: str) -> str:
+        rendered = render(spec, self.template_root)
+        return sha256_hex(
+            *rendered.digest_parts(), compiler_identity(spec.compiler), arch, self.version
+        )
+
+    def build(self, spec: KernelSpec, arch: str) -> tuple[CompiledKernel, bool]:
+        """(kernel, compiled_now) for ``spec`` on ``arch``, from memory, disk or NVRTC."""
+        memo = (spec, arch)
+        if memo in self._built:
+            return self._built[memo], False
+        with self._guard:
+            lock = self._locks.setdefault(memo, threading.Lock())
+        with lock:
+            if memo in self._built:
+                return self._built[memo], False
+            rendered = render(spec, self.template_root)
+            key = sha256_hex(
+                *rendered.digest_parts(), compiler_identity(spec.compiler), arch, self.version
+            )
+            meta = {
+                "key": key,
+                "family": spec.family,
+                "label": spec.label,
+                "arch": arch,
+                "compiler": compiler_identity(spec.compiler),
+                "version": self.version,
+            }
+
+            def compile_now() -> CompiledKernel:
+                log.info("compiling %s for %s", spec.label, arch)
+                start = time.perf_counter()
+                kernel = compile_cubin(rendered, arch)
+                log.info(
+                    "compiled %s for %s in %.2f s", spec.label, arch, time.perf_counter() - start
+                )
+                return kernel
+
+            kernel, compiled = self.cache.get_or_build(arch, spec.family, key, meta, compile_now)
+            self._built[memo] = kernel
+            return kernel, compiled

@@ -1,0 +1,129 @@
+"""Turning rendered sources into cubins: NVRTC for CUDA C++, CuTe DSL for generators."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import tempfile
+import time
+from pathlib import Path
+
+from .render import RenderedSource
+
+# -lineinfo keeps SASS readable in profilers at no run-time cost; nothing here relaxes
+# IEEE semantics (no --use_fast_math): several ops promise bit-exact results.
+NVRTC_OPTIONS = ("-std=c++17", "-lineinfo", "--device-as-default-execution-space")
+
+
+class CompileError(RuntimeError):
+    """A specialization failed to compile; carries the compiler log and the kept source."""
+
+    def __init__(self, label: str, arch: str, log: str, source_dir: Path | None):
+        self.log = log
+        self.source_dir = source_dir
+        where = f"\nrendered source kept in {source_dir}" if source_dir else ""
+        super().__init__(f"compiling {label} for {arch} failed:\n{log.strip()}{where}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledKernel:
+    cubin: bytes
+    entry: str  # the symbol to look up in the cubin
+    seconds: float
+
+
+@functools.cache
+def nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+
+    _, major, minor = nvrtc.nvrtcVersion()
+    return f"{major}.{minor}"
+
+
+@functools.cache
+def cute_dsl_version() -> str:
+    from importlib.metadata import version
+
+    return version("nvidia-cutlass-dsl")
+
+
+def compiler_identity(compiler: str) -> str:
+    """What the cache key records of the toolchain."""
+    if compiler == "cute":
+        return f"cutlass-dsl {cute_dsl_version()}"
+    return f"nvrtc {nvrtc_version()} {' '.join(NVRTC_OPTIONS)}"
+
+
+def _check(result: tuple, what: str) -> tuple:
+    from cuda.bindings import nvrtc
+
+    if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"{what} failed: {result[0]}")
+    return result[1:]
+
+
+def _keep_source(rendered: RenderedSource) -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="flashinfer-jit-failed-"))
+    (folder / rendered.filename).write_text(rendered.source)
+    for name, text in rendered.headers:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    return folder
+
+
+def compile_cubin(rendered: RenderedSource, arch: str) -> CompiledKernel:
+    """Compile one specialization for ``arch`` (e.g. ``sm_90a``); no GPU needed."""
+    start = time.perf_counter()
+    if rendered.spec.compiler == "cute":
+        cubin, entry = _compile_cute(rendered, arch)
+    else:
+        cubin, entry = _compile_nvrtc(rendered, arch)
+    return CompiledKernel(cubin, entry, time.perf_counter() - start)
+
+
+def _compile_nvrtc(rendered: RenderedSource, arch: str) -> tuple[bytes, str]:
+    from cuda.bindings import nvrtc
+
+    names = [n.encode() for n, _ in rendered.headers]
+    texts = [t.encode() for _, t in rendered.headers]
+    (prog,) = _check(
+        nvrtc.nvrtcCreateProgram(
+            rendered.source.encode(), rendered.filename.encode(), len(names), texts, names
+        ),
+        "nvrtcCreateProgram",
+    )
+    try:
+        expression = rendered.spec.name_expression.encode()
+        _check(nvrtc.nvrtcAddNameExpression(prog, expression), "nvrtcAddNameExpression")
+        options = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in NVRTC_OPTIONS)]
+        (result,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        (log_size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        log = bytearray(log_size)
+        _check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+        log_text = log.rstrip(b"\0").decode(errors="replace")
+        if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(rendered.spec.label, arch, log_text, _keep_source(rendered))
+        (lowered,) = _check(nvrtc.nvrtcGetLoweredName(prog, expression), "nvrtcGetLoweredName")
+        (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = bytearray(size)
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return bytes(cubin), lowered.decode()
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _compile_cute(rendered: RenderedSource, arch: str) -> tuple[bytes, str]:
+    """Run a CuTe-DSL generator module's ``build(params, arch) -> (cubin, entry)``."""
+    module_name = "_fij_cute_" + Path(rendered.filename).stem
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / rendered.filename
+        path.write_text(rendered.source)
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    try:
+        return module.build(rendered.spec.param_dict, arch)
+    except Exception as exc:  # the DSL raises many types; surface them uniformly
+        raise CompileError(rendered.spec.label, arch, repr(exc), _keep_source(rendered)) from exc

@@ -1,0 +1,42 @@
+"""Choosing between a specialized kernel, a generic one and the torch path.
+
+The switches are read at call time so a serving process can flip them without a restart:
+
+- ``FLASHINFER_SPECIALIZED_KERNEL_DISABLE=1``: every op takes its torch path.
+- ``FLASHINFER_JIT_STRICT=1``: falling back from a kernel raises instead of logging.
+- ``FLASHINFER_VALIDATE_INPUTS=1``: ops check device-side preconditions (syncs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("flashinfer_jit")
+
+DISABLE_ENV = "FLASHINFER_SPECIALIZED_KERNEL_DISABLE"
+STRICT_ENV = "FLASHINFER_JIT_STRICT"
+VALIDATE_ENV = "FLASHINFER_VALIDATE_INPUTS"
+
+_reported: set[tuple[str, str]] = set()
+
+
+class FallbackError(RuntimeError):
+    """Raised in strict mode where an op would have left its kernels."""
+
+
+def kernels_disabled() -> bool:
+    return os.environ.get(DISABLE_ENV) == "1"
+
+
+def validate_inputs() -> bool:
+    return os.environ.get(VALIDATE_ENV) == "1"
+
+
+def fall_back(op: str, reason: str) -> None:
+    """Record that ``op`` left its fast path: an error in strict mode, else logged once."""
+    if os.environ.get(STRICT_ENV) == "1":
+        raise FallbackError(f"{op}: {reason} ({STRICT_ENV}=1)")
+    if (op, reason) not in _reported:
+        _reported.add((op, reason))
+        log.warning("%s: falling back: %s", op, reason)

@@ -1,0 +1,125 @@
+"""Loading cubins into a device and launching them with little host overhead.
+
+A hot launch packs the arguments with one precompiled ``struct.Struct`` into a
+per-thread buffer whose ``void*[]`` array was built once, and hands that array's
+address to ``cuLaunchKernel``: no ctypes objects are created per call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from .compile import CompiledKernel
+
+_ALIGN = {"b": 1, "B": 1, "h": 2, "H": 2, "i": 4, "I": 4, "f": 4, "q": 8, "Q": 8, "d": 8, "P": 8}
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def _check(result: tuple, what: str):
+    err = result[0]
+    if int(err) != 0:
+        raise LaunchError(f"{what} failed: {err!r}")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+class ArgPacker:
+    """Lays out kernel parameters, each a C struct of the given member codes.
+
+    ``signature`` holds one ``struct`` code string per kernel parameter, e.g.
+    ``("P", "P", "i", "f")`` for ``(T*, T*, int, float)`` or ``"Pii"`` for a
+    by-value ``{void*; int; int}`` (a CuTe-DSL tensor). ``P`` is a device pointer.
+    """
+
+    def __init__(self, signature: Sequence[str]):
+        fmt, offsets, cursor = "<", [], 0
+        for param in signature:
+            align = max(_ALIGN[c] for c in param)
+            pad = -cursor % max(align, 8)
+            fmt, cursor = fmt + "x" * pad, cursor + pad
+            offsets.append(cursor)
+            for code in param:
+                pad = -cursor % _ALIGN[code]
+                fmt += "x" * pad + ("Q" if code == "P" else code)
+                cursor += pad + _ALIGN[code]
+        self.struct = struct.Struct(fmt)
+        self.offsets = tuple(offsets)
+        self.signature = tuple(signature)
+        self._local = threading.local()
+
+    def _new_buffers(self):
+        data = (ctypes.c_char * max(self.struct.size, 8))()
+        base = ctypes.addressof(data)
+        pointers = (ctypes.c_void_p * max(len(self.offsets), 1))(*(base + o for o in self.offsets))
+        bufs = (data, pointers, ctypes.addressof(pointers))
+        self._local.bufs = bufs
+        return bufs
+
+    def pack(self, args: Sequence) -> int:
+        """Write ``args`` (flattened members) and return the ``void**`` address."""
+        try:
+            data, _, address = self._local.bufs
+        except AttributeError:
+            data, _, address = self._new_buffers()
+        self.struct.pack_into(data, 0, *args)
+        return address
+
+
+class LoadedKernel:
+    """One kernel loaded in one device's primary context."""
+
+    __slots__ = ("name", "device", "function", "packer", "_library", "_smem_limit", "_launch")
+
+    def __init__(self, compiled: CompiledKernel, device: int, packer: ArgPacker, name: str):
+        from cuda.bindings import driver
+
+        self.name, self.device, self.packer = name, device, packer
+        with torch.cuda.device(device):
+            torch.cuda.init()
+            torch.cuda.current_stream(device)  # makes the primary context current here
+            self._library = _check(
+                driver.cuLibraryLoadData(compiled.cubin, [], [], 0, [], [], 0), "cuLibraryLoadData"
+            )
+            kernel = _check(
+                driver.cuLibraryGetKernel(self._library, compiled.entry.encode()),
+                f"cuLibraryGetKernel({compiled.entry})",
+            )
+            self.function = _check(driver.cuKernelGetFunction(kernel), "cuKernelGetFunction")
+        self._smem_limit = 48 * 1024
+        self._launch = driver.cuLaunchKernel
+
+    def _allow_smem(self, nbytes: int) -> None:
+        from cuda.bindings import driver
+
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _check(driver.cuFuncSetAttribute(self.function, attr, nbytes), f"{self.name}: smem {nbytes}")
+        self._smem_limit = nbytes
+
+    def launch(
+        self,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        stream: int,
+        args: Sequence,
+        smem: int = 0,
+    ) -> None:
+        """Launch on ``stream`` (a raw ``cudaStream_t`` of this kernel's device)."""
+        if smem > self._smem_limit:
+            self._allow_smem(smem)
+        params = self.packer.pack(args)
+        err = self._launch(self.function, *grid, *block, smem, stream, params, 0)[0]
+        if err:
+            raise LaunchError(f"launching {self.name} on cuda:{self.device} failed: {err!r}")
+
+
+def current_stream(device: int) -> int:
+    """The raw handle of torch's current stream on ``device`` (what torch ops use)."""
+    # The private accessor skips building a torch.cuda.Stream object; Triton uses it too.
+    return torch._C._cuda_getCurrentRawStream(device)
