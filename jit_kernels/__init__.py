@@ -4,10 +4,10 @@ The engine knows no op: ops describe kernel families (a template and its paramet
 and call ``KernelFamily.get(params, device).launch(...)``.
 """
 
-from .arch import DEFAULT_OFFLINE_ARCHS, arch_for_capability, device_arch, target_archs
+from .arch import DEFAULT_OFFLINE_ARCHS, arch_for_capability, capability, device_arch, target_archs
 from .build import KernelBuilder
 from .cache import CubinCache, InsecureCacheError, default_cache_root, prebuilt_roots
-from .compile import CompileError, CompiledKernel, compile_cubin, nvrtc_version
+from .compile import CompiledKernel, CompileError, compile_cubin, nvrtc_version
 from .dispatch import FallbackError, fall_back, kernels_disabled, validate_inputs
 from .family import KernelFamily, KernelUnavailable
 from .launch import ArgPacker, LaunchError, LoadedKernel, current_stream
@@ -30,6 +30,7 @@ __all__ = [
     "LoadedKernel",
     "RenderedSource",
     "arch_for_capability",
+    "capability",
     "compile_cubin",
     "current_stream",
     "default_cache_root",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -22,10 +23,15 @@ def arch_for_capability(major: int, minor: int) -> str:
     return f"sm_{major}{minor}"
 
 
+@functools.cache
+def capability(device_index: int) -> tuple[int, int]:
+    """A device's compute capability, memoized: ops ask on every call."""
+    return torch.cuda.get_device_capability(device_index)
+
+
 def device_arch(device: int | torch.device) -> str:
     index = device.index if isinstance(device, torch.device) else device
-    major, minor = torch.cuda.get_device_capability(index)
-    return arch_for_capability(major, minor)
+    return arch_for_capability(*capability(torch.cuda.current_device() if index is None else index))
 
 
 def parse_arch_list(text: str) -> tuple[str, ...]:

@@ -41,11 +41,20 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
+# The CuTe-DSL release the package pins (pyproject.toml). A machine without the DSL (a
+# GPU host that only loads prebuilt cubins) keys cute kernels with this version, so it
+# computes the same cache keys as the build machine and finds the cubins it produced.
+CUTE_DSL_PINNED_VERSION = "4.8.1"
+
+
 @functools.cache
 def cute_dsl_version() -> str:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    return version("nvidia-cutlass-dsl")
+    try:
+        return version("nvidia-cutlass-dsl")
+    except PackageNotFoundError:
+        return CUTE_DSL_PINNED_VERSION
 
 
 def compiler_identity(compiler: str) -> str:
@@ -116,6 +125,7 @@ def _compile_nvrtc(rendered: RenderedSource, arch: str) -> tuple[bytes, str]:
 def _compile_cute(rendered: RenderedSource, arch: str) -> tuple[bytes, str]:
     """Run a CuTe-DSL generator module's ``build(params, arch) -> (cubin, entry)``."""
     module_name = "_fij_cute_" + Path(rendered.filename).stem
+    # The file must outlive build(): the DSL reads the kernels' source back from it.
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / rendered.filename
         path.write_text(rendered.source)
@@ -123,7 +133,7 @@ def _compile_cute(rendered: RenderedSource, arch: str) -> tuple[bytes, str]:
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    try:
-        return module.build(rendered.spec.param_dict, arch)
-    except Exception as exc:  # the DSL raises many types; surface them uniformly
-        raise CompileError(rendered.spec.label, arch, repr(exc), _keep_source(rendered)) from exc
+        try:
+            return module.build(rendered.spec.param_dict, arch)
+        except Exception as exc:  # the DSL raises many types; surface them uniformly
+            raise CompileError(rendered.spec.label, arch, repr(exc), _keep_source(rendered)) from exc

@@ -48,7 +48,7 @@ class KernelFamily:
         if len(params) != len(self.param_names):
             raise ValueError(f"{self.family} takes parameters {self.param_names}, got {params}")
         return KernelSpec(
-            self.family, self.template, self.kernel, tuple(zip(self.param_names, params)),
+            self.family, self.template, self.kernel, tuple(zip(self.param_names, params, strict=True)),
             self.compiler,
         )
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Union
 
 import torch
 
-ParamValue = Union[int, bool, str, torch.dtype]
+ParamValue = int | bool | str | torch.dtype
 
 # C++ spellings of the dtypes a template may be specialized on. Templates include no
 # CUDA headers (compile time), so these are the package's own storage types.

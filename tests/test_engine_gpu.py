@@ -1,0 +1,72 @@
+"""The engine end to end on a GPU, through the first real kernel (the concat pack)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashinfer_jit.mla_kv_pack import _pack_torch, concat_mla_kv_quant_fp8
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(tokens: int, heads: int, device: str = "cuda"):
+    kv = torch.randn(tokens, heads, 256, device=device).mul_(200).to(torch.bfloat16)
+    pe = torch.randn(tokens, 64, device=device).mul_(200).to(torch.bfloat16)
+    # Adversarial values in every call: saturation, rounding ties, NaN/inf, denormals.
+    special = torch.tensor([0.0, -0.0, 448, -448, 449, 464, -465, 1e30, float("inf"),
+                            -float("inf"), float("nan"), 2.0**-9, 2.0**-10, 1.5 * 2.0**-9],
+                           device=device).to(torch.bfloat16)
+    kv.view(-1)[: special.numel()] = special
+    pe.view(-1)[: special.numel()] = special
+    return kv, pe
+
+
+def _torch_reference(kv, pe):
+    key = torch.empty(*kv.shape[:2], 192, dtype=torch.float8_e4m3fn, device=kv.device)
+    value = torch.empty(*kv.shape[:2], 128, dtype=torch.float8_e4m3fn, device=kv.device)
+    _pack_torch(kv, pe, key, value, 128)
+    return key, value
+
+
+@pytest.mark.parametrize("tokens,heads", [(1, 1), (33, 12), (300, 16), (64, 128), (4097, 5)])
+def test_specialized_matches_torch_bit_exact(tokens, heads, monkeypatch):
+    monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a fallback would make this vacuous
+    kv, pe = _inputs(tokens, heads)
+    key = torch.full((tokens, heads, 192), 0x55, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    value = torch.full((tokens, heads, 128), 0x55, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    concat_mla_kv_quant_fp8(kv, pe, key, value, backend="specialized")
+    ref_key, ref_value = _torch_reference(kv, pe)
+    assert torch.equal(key.view(torch.uint8), ref_key.view(torch.uint8))
+    assert torch.equal(value.view(torch.uint8), ref_value.view(torch.uint8))
+
+
+def test_cuda_graph_replay_sees_new_inputs(monkeypatch):
+    monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
+    kv, pe = _inputs(40, 16)
+    key, value = concat_mla_kv_quant_fp8(kv, pe, backend="specialized")  # warm: load outside capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            concat_mla_kv_quant_fp8(kv, pe, key, value, backend="specialized")
+    fresh_kv, fresh_pe = _inputs(40, 16)
+    kv.copy_(fresh_kv)
+    pe.copy_(fresh_pe)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_key, ref_value = _torch_reference(kv, pe)
+    assert torch.equal(key.view(torch.uint8), ref_key.view(torch.uint8))
+    assert torch.equal(value.view(torch.uint8), ref_value.view(torch.uint8))
+
+
+def test_runs_on_a_side_stream(monkeypatch):
+    monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
+    kv, pe = _inputs(500, 12)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        key, value = concat_mla_kv_quant_fp8(kv, pe)
+    torch.cuda.current_stream().wait_stream(stream)
+    ref_key, _ = _torch_reference(kv, pe)
+    assert torch.equal(key.view(torch.uint8), ref_key.view(torch.uint8))
