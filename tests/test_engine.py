@@ -205,7 +205,8 @@ def _elf_sm(path: Path) -> int:
     (machine,) = struct.unpack_from("<H", data, 18)
     assert machine == 190  # EM_CUDA
     (flags,) = struct.unpack_from("<I", data, 48)
-    return (flags >> 8) & 0xFF
+    # CUDA ELF ABI 8 (CUDA 13 toolchains) moved the SM number from bits 0-7 to 8-15.
+    return (flags >> 8) & 0xFF if data[8] >= 8 else flags & 0xFF
 
 
 def test_prebuild_bundle_for_three_archs(tmp_path):

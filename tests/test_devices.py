@@ -1,0 +1,71 @@
+"""Per-device kernel bookkeeping, without GPUs: the loader and the arch query are faked."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import jit_kernels.family as family_mod
+from jit_kernels import CubinCache, KernelBuilder, KernelFamily
+
+from .test_engine import TEMPLATES
+
+
+class _FakeLoaded:
+    loads: list[tuple[str, int]] = []
+
+    def __init__(self, compiled, device, packer, name):
+        self.compiled, self.device = compiled, device
+        _FakeLoaded.loads.append((name, device))
+
+
+@pytest.fixture
+def two_devices(monkeypatch, tmp_path):
+    _FakeLoaded.loads = []
+    archs = {0: "sm_90a", 1: "sm_90a", 2: "sm_100a"}
+    monkeypatch.setattr(family_mod, "LoadedKernel", _FakeLoaded)
+    monkeypatch.setattr(family_mod, "device_arch", lambda device: archs[device])
+    builder = KernelBuilder(TEMPLATES, "9.9.9", CubinCache(tmp_path, [], "9.9.9"))
+    compiled = []
+    real_build = builder.build
+
+    def counting_build(spec, arch):
+        result = real_build(spec, arch)
+        if result[1]:
+            compiled.append((spec.label, arch))
+        return result
+
+    builder.build = counting_build
+    fam = KernelFamily(builder, "mla_kv_pack", "mla_kv_pack.cuh", "fij_mla::concat_mla_kv_quant_fp8",
+                       ("num_heads", "unroll"), ("P",))
+    return fam, compiled
+
+
+def test_one_compile_per_arch_one_load_per_device(two_devices):
+    fam, compiled = two_devices
+    for device in (0, 1, 0, 1, 2):
+        kernel = fam.get((0, 4), device)
+        assert kernel.device == device  # a handle is only ever the one loaded on that device
+    assert sorted(compiled) == sorted([("mla_kv_pack[num_heads=0,unroll=4]", "sm_90a"),
+                                       ("mla_kv_pack[num_heads=0,unroll=4]", "sm_100a")])
+    assert sorted(d for _, d in _FakeLoaded.loads) == [0, 1, 2]
+
+
+def test_threads_share_compiles(two_devices):
+    fam, compiled = two_devices
+    results: list = []
+    barrier = threading.Barrier(8)
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        results.append(fam.get((12, 6), i % 2))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 8 and all(k.device in (0, 1) for k in results)
+    assert compiled == [("mla_kv_pack[num_heads=12,unroll=6]", "sm_90a")]
+    assert len({id(k) for k in results if k.device == 0}) == 1
