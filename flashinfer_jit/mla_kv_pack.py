@@ -9,6 +9,8 @@ and the composable torch path, which defines the semantics and serves everything
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from jit_kernels import (
@@ -19,7 +21,9 @@ from jit_kernels import (
     kernels_disabled,
 )
 
-from ._jit import cuda_device_index, kernel_family
+from . import mla_kv_pack_cake as cake
+from . import mla_kv_pack_tuning as tuning
+from ._jit import WORKLOAD_ROOT, cuda_device_index, kernel_family
 
 OP = "concat_mla_kv_quant_fp8"
 BACKENDS = ("auto", "specialized", "cake")
@@ -98,16 +102,10 @@ def _check_args(kv_nope, k_pe, key, value, nope_dim: int, backend: str) -> torch
 
 
 # -- which fused backend can serve a call --------------------------------------------
-def _aligned(t: torch.Tensor, nbytes: int) -> bool:
-    return t.data_ptr() % nbytes == 0
-
-
-def _specialized_refusal(kv_nope, k_pe, key, value) -> str | None:
-    """Why the specialized kernel cannot serve this call (None when it can)."""
+def _fused_refusal(kv_nope, k_pe, key, value) -> str | None:
+    """Why neither fused backend can serve this call (None when the shared rules hold)."""
     if kv_nope.device.type != "cuda":
         return "tensors are not on a CUDA device"
-    if torch.cuda.get_device_capability(kv_nope.device) < (9, 0):
-        return "compute capability below 9.0"
     if kv_nope.dtype != torch.bfloat16:
         return f"dtype {kv_nope.dtype} (fused backends take bfloat16)"
     tokens, heads, width = kv_nope.shape
@@ -117,11 +115,27 @@ def _specialized_refusal(kv_nope, k_pe, key, value) -> str | None:
         return f"{tokens} tokens x {heads} heads is outside 1..{MAX_TOKENS} x 1..{MAX_HEADS}"
     if not (kv_nope.is_contiguous() and key.is_contiguous() and value.is_contiguous()):
         return "kv_nope, key or value is not contiguous"
+    return None
+
+
+@functools.cache
+def _capability(device: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _specialized_refusal(kv_nope, k_pe, key, value) -> str | None:
+    """What the specialized kernel needs beyond the shared rules (None when it can serve)."""
+    if _capability(cuda_device_index(kv_nope)) < (9, 0):
+        return "compute capability below 9.0"
     if k_pe.stride(1) != 1 or k_pe.stride(0) % 8:
         return "k_pe rows are not unit-stride with a row stride that is a multiple of 8"
-    if not all(_aligned(t, 16) for t in (kv_nope, k_pe, key, value)):
+    if any(t.data_ptr() % 16 for t in (kv_nope, k_pe, key, value)):
         return "a tensor is not 16-byte aligned"
     return None
+
+
+# Measured per-point choices (workloads JSON, "tuned"); the heuristics below fill gaps.
+TUNED = tuning.load(WORKLOAD_ROOT / WORKLOADS, cake.HEAD_GROUPS)
 
 
 def _heads_per_warp(tokens: int, heads: int) -> int:
@@ -131,17 +145,29 @@ def _heads_per_warp(tokens: int, heads: int) -> int:
     return -(-heads // chunks)
 
 
+def plan_specialized(tokens: int, heads: int) -> int:
+    """Heads per warp for the specialized kernel: measured, else the heuristic."""
+    tuned = TUNED.get("specialized_heads_per_warp", tokens, heads)
+    return min(tuned, heads) if tuned is not None else _heads_per_warp(tokens, heads)
+
+
+def plan_cake(tokens: int, heads: int) -> int:
+    """Head pairs per warp for the cake programs: measured, else the heuristic."""
+    tuned = TUNED.get("cake_head_group", tokens, heads)
+    return tuned if tuned is not None else cake.plan_head_group(tokens, heads)
+
+
 def _specialized_params(heads: int) -> tuple[int, int]:
     # 12 local heads (96 over TP8) is the serving shape the fully unrolled variant is
     # for; every other head count shares the runtime-head variant.
     return (12, 6) if heads == 12 else (0, 4)
 
 
-def _launch_specialized(kv_nope, k_pe, key, value) -> None:
+def _launch_specialized(kv_nope, k_pe, key, value, heads_per_warp: int | None = None) -> None:
     tokens, heads, _ = kv_nope.shape
     device = cuda_device_index(kv_nope)
     kernel = _specialized.get(_specialized_params(heads), device)
-    per_warp = _heads_per_warp(tokens, heads)
+    per_warp = plan_specialized(tokens, heads) if heads_per_warp is None else heads_per_warp
     grid = (-(-tokens // _WARPS_PER_BLOCK), -(-heads // per_warp), 1)
     args = (
         kv_nope.data_ptr(), k_pe.data_ptr(), key.data_ptr(), value.data_ptr(),
@@ -150,23 +176,58 @@ def _launch_specialized(kv_nope, k_pe, key, value) -> None:
     kernel.launch(grid, (32 * _WARPS_PER_BLOCK, 1, 1), current_stream(device), args)
 
 
+def _launch_cake(kv_nope, k_pe, key, value, head_group: int | None = None) -> None:
+    group = plan_cake(*kv_nope.shape[:2]) if head_group is None else head_group
+    cake.launch(kv_nope, k_pe, key, value, head_group=group)
+
+
+# name -> (its own refusal, its launch)
+_FUSED = {
+    "specialized": (_specialized_refusal, _launch_specialized),
+    "cake": (cake.refusal, _launch_cake),
+}
+
+
+def auto_order(tokens: int, heads: int) -> tuple[str, str]:
+    """The fused backends in the order ``auto`` tries them for ``tokens`` x ``heads``:
+    the one measured faster at the nearest tuned point (tools/bench_mla_kv_pack.py);
+    untuned, the fully unrolled specialized variant for 12 local heads, cake elsewhere."""
+    first = TUNED.get("auto", tokens, heads)
+    if first is None:
+        first = "specialized" if heads == 12 else "cake"
+    return ("specialized", "cake") if first == "specialized" else ("cake", "specialized")
+
+
 def _run_fused(backend: str, kv_nope, k_pe, key, value) -> bool:
-    """Try ``backend``; False (with the reason logged once) when it cannot serve."""
-    reason = _specialized_refusal(kv_nope, k_pe, key, value)
-    if reason is None:
-        try:
-            _launch_specialized(kv_nope, k_pe, key, value)
-            return True
-        except KernelUnavailable as exc:
-            reason = str(exc)
-    fall_back(OP, f"{backend} backend: {reason}")
+    """Serve the call with ``backend`` (``auto``: both, in the measured order).
+
+    False, with the reasons reported through ``fall_back``, when none can serve.
+    """
+    reason = _fused_refusal(kv_nope, k_pe, key, value)
+    if reason is not None:
+        fall_back(OP, f"{backend} backend: {reason}")
+        return False
+    names = auto_order(kv_nope.shape[0], kv_nope.shape[1]) if backend == "auto" else (backend,)
+    reasons = []
+    for name in names:
+        refuse, launch = _FUSED[name]
+        why = refuse(kv_nope, k_pe, key, value)
+        if why is None:
+            try:
+                launch(kv_nope, k_pe, key, value)
+                return True
+            except KernelUnavailable as exc:
+                why = str(exc)
+        reasons.append(f"{name}: {why}")
+    fall_back(OP, f"{backend} backend: {'; '.join(reasons)}")
     return False
 
 
 def prebuild_specs(workloads: dict) -> list[KernelSpec]:
-    """Every specialization the shipped workloads can reach."""
+    """Every specialization the shipped workloads can reach, for both fused backends."""
     heads = sorted({int(h) for h in workloads["num_heads"]})
-    return sorted({_specialized.spec(_specialized_params(h)) for h in heads}, key=str)
+    specialized = {_specialized.spec(_specialized_params(h)) for h in heads}
+    return sorted(specialized, key=str) + cake.specs()
 
 
 # -- the op ------------------------------------------------------------------------------

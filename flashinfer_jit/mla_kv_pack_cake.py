@@ -1,0 +1,101 @@
+"""The ``cake`` backend of ``concat_mla_kv_quant_fp8``: CuTe-DSL programs, one per head group.
+
+The generator is ``templates/mla_kv_pack_cake.py``; the engine compiles it into cubins
+(on a machine with the DSL, e.g. ``flashinfer-jit prebuild``) and this module only plans
+the head group, checks what the programs need and launches them. Nothing here imports
+the DSL, so a GPU host without it runs the cake backend from prebuilt cubins.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from jit_kernels import KernelSpec, current_stream
+
+from ._jit import cuda_device_index, kernel_family
+
+# Mirrors of the generator's constants (tests check they agree).
+HEAD_GROUPS = (1, 2, 4, 8)  # head pairs a warp owns: one program each
+WARPS_PER_BLOCK = 8
+# The cubins are built for these exact compute capabilities (arch-specific targets).
+CAPABILITIES = ((9, 0), (10, 0), (10, 3))
+ALIGN = 32  # bytes; every tensor's base (one 32-byte chunk per lane)
+PE_STRIDE_MULTIPLE = 16  # elements; keeps every k_pe row 32-byte aligned
+
+# Kernel parameters: kv_nope {ptr; i64 rows}, k_pe {ptr; i32 tokens; i64 row stride},
+# key {ptr; i64 rows}, value {ptr; i64 rows}, num_tokens, num_heads, groups_per_token.
+_family = kernel_family(
+    "mla_kv_pack_cake",
+    "mla_kv_pack_cake.py",
+    "_pack",
+    ("head_group",),
+    ("Pq", "Piq", "Pq", "Pq", "i", "i", "i"),
+    compiler="cute",
+)
+
+# Fewer warps than this leave SMs idle (132 SMs x 4 warp schedulers x 8): below it the
+# planner trades a long per-warp unroll for more warps.
+_MIN_WARPS = 132 * 32
+
+
+def plan_head_group(tokens: int, heads: int) -> int:
+    """Head pairs per warp for ``tokens`` x ``heads``: the largest group that still
+    gives every SM enough warps and does not pad the last group by more than a pair."""
+    pairs = (heads + 1) // 2
+    best = 1
+    for group in HEAD_GROUPS[1:]:
+        groups = -(-pairs // group)
+        if group > pairs or tokens * groups < _MIN_WARPS or groups * group - pairs > 1:
+            continue
+        best = group
+    return best
+
+
+@functools.cache
+def _capability(device: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def refusal(kv_nope: torch.Tensor, k_pe: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
+    """What the cake programs need beyond the shared fused-path checks (None: servable)."""
+    if _capability(cuda_device_index(kv_nope)) not in CAPABILITIES:
+        return f"compute capability {_capability(cuda_device_index(kv_nope))} has no cake build"
+    if k_pe.stride(1) != 1 or k_pe.stride(0) % PE_STRIDE_MULTIPLE:
+        return f"k_pe rows must be unit-stride with a row stride that is a multiple of {PE_STRIDE_MULTIPLE}"
+    if any(t.data_ptr() % ALIGN for t in (kv_nope, k_pe, key, value)):
+        return f"a tensor is not {ALIGN}-byte aligned"
+    return None
+
+
+def launch(
+    kv_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_group: int | None = None,
+) -> None:
+    """Run the program for ``head_group`` (planned when None) on the current stream."""
+    tokens, heads, _ = kv_nope.shape
+    group = plan_head_group(tokens, heads) if head_group is None else head_group
+    device = cuda_device_index(kv_nope)
+    kernel = _family.get((group,), device)
+    pairs = (heads + 1) // 2
+    groups_per_token = -(-pairs // group)
+    rows = tokens * heads
+    warps = tokens * groups_per_token
+    grid = (-(-warps // WARPS_PER_BLOCK), 1, 1)
+    args = (
+        kv_nope.data_ptr(), rows,
+        k_pe.data_ptr(), tokens, k_pe.stride(0),
+        key.data_ptr(), rows,
+        value.data_ptr(), rows,
+        tokens, heads, groups_per_token,
+    )
+    kernel.launch(grid, (32 * WARPS_PER_BLOCK, 1, 1), current_stream(device), args)
+
+
+def specs() -> list[KernelSpec]:
+    """Every cake program: the planner may pick any head group for some token count."""
+    return [_family.spec((group,)) for group in HEAD_GROUPS]

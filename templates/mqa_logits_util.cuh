@@ -1,0 +1,166 @@
+// Device helpers of the paged MQA logits kernels: PTX conversions and half2 math,
+// block-wide scans, and the work split (the "schedule") shared by the schedule
+// kernel and the logits kernel's own prologue, so both derive identical splits.
+#pragma once
+#include "common.cuh"
+
+namespace fij_mqa {
+
+constexpr int kTile = 64;  // KV tokens per warpgroup tile (the wgmma M); the schedule unit
+
+template <typename A, typename B>
+struct same_type { static constexpr bool value = false; };
+template <typename A>
+struct same_type<A, A> { static constexpr bool value = true; };
+
+// -- conversions and half2 arithmetic (raw PTX: no cuda_fp16.h) -------------------------
+__device__ __forceinline__ unsigned smem_u32(const void* ptr) {
+  unsigned addr;
+  asm("{.reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t;}" : "=r"(addr) : "l"(ptr));
+  return addr;
+}
+__device__ __forceinline__ unsigned pack_h2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ unsigned short f2h(float x) {
+  unsigned short r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float h2f(unsigned short h) {
+  float r;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
+  return r;
+}
+__device__ __forceinline__ float h2_lo(unsigned v) { return h2f((unsigned short)(v & 0xffffu)); }
+__device__ __forceinline__ float h2_hi(unsigned v) { return h2f((unsigned short)(v >> 16)); }
+__device__ __forceinline__ unsigned hfma2(unsigned a, unsigned b, unsigned c) {
+  unsigned r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+__device__ __forceinline__ unsigned hrelu2(unsigned a) {
+  unsigned r;
+  asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(0u));
+  return r;
+}
+// The two halves of a half2 added in f16 (one rounding), returned in the low 16 bits.
+__device__ __forceinline__ unsigned short hsum2(unsigned a) {
+  unsigned short r;
+  asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; add.rn.f16 %0, l, h;}" : "=h"(r) : "r"(a));
+  return r;
+}
+__device__ __forceinline__ unsigned short hadd(unsigned short a, unsigned short b) {
+  unsigned short r;
+  asm("add.rn.f16 %0, %1, %2;" : "=h"(r) : "h"(a), "h"(b));
+  return r;
+}
+__device__ __forceinline__ unsigned short hmul(unsigned short a, unsigned short b) {
+  unsigned short r;
+  asm("mul.rn.f16 %0, %1, %2;" : "=h"(r) : "h"(a), "h"(b));
+  return r;
+}
+// Two e4m3 codes (bits 0-7, 8-15) to a half2 (low, high); exact.
+__device__ __forceinline__ unsigned e4m3x2_to_h2(unsigned short v) {
+  unsigned r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+  return r;
+}
+
+__device__ __forceinline__ uint2 load_stream_8(const void* ptr) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(ptr));
+  return v;
+}
+__device__ __forceinline__ float load_stream_f32(const void* ptr) {
+  float v;
+  asm volatile("ld.global.nc.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(ptr));
+  return v;
+}
+
+// -- the work split -------------------------------------------------------------------
+// Work is the list of 64-token tiles of every request in order (request-major). CTA c of
+// C gets linear tiles [c*T/C, (c+1)*T/C); the schedule stores where that range starts
+// as (request, tile), with entry C = (batch, 0).
+__device__ __forceinline__ int tiles_of(int seq_len) { return seq_len > 0 ? (seq_len + kTile - 1) / kTile : 0; }
+
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Exclusive prefix of `v` over the block (THREADS threads) and the block total.
+template <int THREADS>
+__device__ __forceinline__ int block_exclusive_scan(int v, int* red, int& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int inc = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int n = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += n;
+  }
+  if (lane == 31) red[warp] = inc;
+  __syncthreads();
+  int before = 0, all = 0;
+#pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) {
+    const int x = red[w];
+    before += w < warp ? x : 0;
+    all += x;
+  }
+  __syncthreads();
+  total = all;
+  return before + inc - v;
+}
+
+template <int THREADS>
+__device__ int total_tiles(const int* seq_lens, long long stride, int batch, int* red) {
+  int total = 0;
+  for (int base = 0; base < batch; base += THREADS) {
+    const int b = base + (int)threadIdx.x;
+    int chunk;
+    block_exclusive_scan<THREADS>(b < batch ? tiles_of(seq_lens[b * stride]) : 0, red, chunk);
+    total += chunk;
+  }
+  return total;
+}
+
+// (request, tile) of linear tile x into where[0..1]; (batch, 0) when x is past the end.
+template <int THREADS>
+__device__ void locate_tile(const int* seq_lens, long long stride, int batch, int x, int* red, int* where) {
+  if (threadIdx.x == 0) { where[0] = batch; where[1] = 0; }
+  int carry = 0;
+  for (int base = 0; base < batch; base += THREADS) {
+    const int b = base + (int)threadIdx.x;
+    const int n = b < batch ? tiles_of(seq_lens[b * stride]) : 0;
+    int chunk;
+    const int start = carry + block_exclusive_scan<THREADS>(n, red, chunk);
+    if (n > 0 && start <= x && x < start + n) { where[0] = b; where[1] = x - start; }
+    carry += chunk;
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ int split_point(int c, int ctas, int total) {
+  return (int)((long long)c * total / ctas);
+}
+
+// One CTA per schedule entry: grid = num_sms + 1.
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) paged_mqa_schedule(const int* __restrict__ seq_lens, long long stride,
+                                                              int batch, int* __restrict__ schedule) {
+  __shared__ int red[THREADS / 32];
+  __shared__ int where[2];
+  const int ctas = (int)gridDim.x - 1;
+  const int total = total_tiles<THREADS>(seq_lens, stride, batch, red);
+  locate_tile<THREADS>(seq_lens, stride, batch, split_point(blockIdx.x, ctas, total), red, where);
+  if (threadIdx.x == 0) {
+    schedule[2 * blockIdx.x] = where[0];
+    schedule[2 * blockIdx.x + 1] = where[1];
+  }
+}
+
+}  // namespace fij_mqa

@@ -1,0 +1,410 @@
+"""concat_mla_kv_quant_fp8: bit-exact against an e4m3 encoder written from the format.
+
+The reference never uses torch's fp8 cast: ``encode_e4m3`` follows the OCP e4m3 ("fn")
+definition (bias 7, 3 mantissa bits, no infinities, 0x7F/0xFF NaN, max 448) with the
+op's saturating rule, and ``BF16_LUT`` applies it to all 65536 bf16 bit patterns.
+CPU tests cover the composable path; ``gpu`` tests force each fused backend.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from flashinfer_jit import mla_kv_pack as mkp
+from flashinfer_jit import mla_kv_pack_cake as cake
+from flashinfer_jit.mla_kv_pack import concat_mla_kv_quant_fp8
+
+MIN_NORMAL = 2.0**-6
+SUBNORMAL_STEP = 2.0**-9
+
+
+# -- the independent reference ---------------------------------------------------------
+def encode_e4m3(x: float) -> int:
+    """The saturating e4m3 code of ``x``: round to nearest even at e4m3 precision, then
+    clamp the magnitude to 448 (finite overflow and inf); NaN is 0x7F; sign kept."""
+    if math.isnan(x):
+        return 0x7F
+    sign = 0x80 if math.copysign(1.0, x) < 0 else 0
+    a = abs(x)
+    if math.isinf(a) or a >= 448.0:
+        return sign | 0x7E
+    # The spacing of e4m3 values around `a`: fixed below the smallest normal.
+    step = SUBNORMAL_STEP if a < MIN_NORMAL else 2.0 ** (math.floor(math.log2(a)) - 3)
+    q = round(a / step) * step  # Python's round() is half-to-even and exact here
+    if q > 448.0:
+        q = 448.0
+    if q < MIN_NORMAL:
+        return sign | int(q / SUBNORMAL_STEP)  # 0..8; 8 is the smallest normal's code
+    exp = math.floor(math.log2(q))
+    mantissa = int(q / 2.0**exp * 8) - 8
+    return sign | ((exp + 7) << 3) | mantissa
+
+
+def _bf16_lut() -> torch.Tensor:
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    values = bits.view(torch.bfloat16).float().tolist()
+    return torch.tensor([encode_e4m3(v) for v in values], dtype=torch.uint8)
+
+
+BF16_LUT = _bf16_lut()
+
+
+def ref_codes(x: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes (uint8) of a bf16 tensor, through the table; same shape, on CPU."""
+    bits = x.detach().cpu().contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    return BF16_LUT[bits]
+
+
+def ref_pack(kv_nope: torch.Tensor, k_pe: torch.Tensor, nope: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key codes, value codes) as uint8 on CPU, from the table and explicit layout."""
+    t, h, _ = kv_nope.shape
+    k_pe = k_pe.reshape(t, k_pe.shape[-1])
+    codes = ref_codes(kv_nope)
+    pe = ref_codes(k_pe)
+    key = torch.empty(t, h, nope + pe.shape[1], dtype=torch.uint8)
+    key[:, :, :nope] = codes[:, :, :nope]
+    key[:, :, nope:] = pe[:, None, :]
+    return key, codes[:, :, nope:].clone()
+
+
+def codes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().view(torch.uint8).cpu()
+
+
+ADVERSARIAL = [0.0, -0.0, 2.0**-9, -(2.0**-9), 2.0**-10, 3 * 2.0**-10, 2.0**-7, 0.0078125, 1e-40,
+               448.0, 449.0, 464.0, 465.0, -464.0, 480.0, 1e30, -1e30, math.inf, -math.inf,
+               math.nan, -math.nan, 1.0, -1.0, 0.1, 240.0, 17.5, 2.0**-6, -(2.0**-6)]
+
+
+def make_inputs(tokens: int, heads: int, device="cpu", dtype=torch.bfloat16, seed=0, adversarial=True):
+    g = torch.Generator().manual_seed(seed)
+    kv = (torch.randn(tokens, heads, 256, generator=g) * 64).to(dtype)
+    pe = (torch.randn(tokens, 64, generator=g) * 64).to(dtype)
+    if adversarial and tokens:
+        special = torch.tensor(ADVERSARIAL, dtype=torch.float32).to(dtype)
+        flat = kv.view(-1)
+        where = torch.randint(0, flat.numel(), (min(flat.numel(), 4 * len(ADVERSARIAL)),), generator=g)
+        flat[where] = special.repeat(4)[: where.numel()]
+        pe.view(-1)[: min(pe.numel(), len(ADVERSARIAL))] = special[: pe.numel()]
+    return kv.to(device), pe.to(device)
+
+
+# -- the reference itself --------------------------------------------------------------
+@pytest.mark.parametrize(
+    "value, code",
+    [(0.0, 0x00), (-0.0, 0x80), (1.0, 0x38), (-2.0, 0xC0), (448.0, 0x7E), (-448.0, 0xFE),
+     (449.0, 0x7E), (464.0, 0x7E), (465.0, 0x7E), (1e30, 0x7E), (math.inf, 0x7E),
+     (-math.inf, 0xFE), (math.nan, 0x7F), (2.0**-9, 0x01), (2.0**-10, 0x00),
+     (3 * 2.0**-10, 0x02), (2.0**-6, 0x08), (0.9375, 0x37), (0.96875, 0x38),
+     (1.0625, 0x38), (1.1875, 0x3A), (-1e-30, 0x80), (240.0, 0x77)],
+)
+def test_reference_encoder(value, code):
+    assert encode_e4m3(value) == code
+
+
+def test_reference_decodes_back():
+    # Every finite code decodes to a value the encoder maps back to the same code.
+    for c in range(256):
+        if c & 0x7F == 0x7F:
+            continue
+        e, m = (c >> 3) & 0xF, c & 7
+        v = (m * SUBNORMAL_STEP) if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+        v = -v if c & 0x80 else v
+        assert encode_e4m3(v) == c, hex(c)
+
+
+# -- the composable path (CPU) ---------------------------------------------------------
+def test_saturating_cast_every_bf16_pattern():
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    got = mkp.saturating_e4m3(bits.view(torch.bfloat16)).view(torch.uint8)
+    assert torch.equal(got, BF16_LUT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_saturating_cast_other_dtypes(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([torch.tensor(ADVERSARIAL), torch.randn(4000, generator=g) * 100,
+                   torch.rand(1000, generator=g) * 0.02]).to(dtype)
+    want = torch.tensor([encode_e4m3(v) for v in x.double().tolist()], dtype=torch.uint8)
+    assert torch.equal(mkp.saturating_e4m3(x).view(torch.uint8), want)
+
+
+def test_every_head_count_on_torch_path():
+    for heads in range(1, 129):
+        kv, pe = make_inputs(3, heads, seed=heads)
+        key, value = concat_mla_kv_quant_fp8(kv, pe)
+        want_key, want_value = ref_pack(kv, pe)
+        assert key.shape == (3, heads, 192) and value.shape == (3, heads, 128)
+        assert key.dtype == value.dtype == torch.float8_e4m3fn
+        assert torch.equal(codes(key), want_key), heads
+        assert torch.equal(codes(value), want_value), heads
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 2, 31, 32, 33, 2048])
+def test_token_counts(tokens):
+    kv, pe = make_inputs(tokens, 5, seed=tokens)
+    key, value = concat_mla_kv_quant_fp8(kv, pe)
+    assert key.shape == (tokens, 5, 192) and value.shape == (tokens, 5, 128)
+    want_key, want_value = ref_pack(kv, pe)
+    assert torch.equal(codes(key), want_key) and torch.equal(codes(value), want_value)
+
+
+def test_other_geometry_and_dtype_on_torch_path():
+    kv = (torch.randn(4, 3, 96) * 10).to(torch.float16)
+    pe = (torch.randn(4, 1, 32) * 10).to(torch.float16)
+    key, value = concat_mla_kv_quant_fp8(kv, pe, nope_dim=40)
+    assert key.shape == (4, 3, 72) and value.shape == (4, 3, 56)
+    enc = [[[encode_e4m3(v) for v in row] for row in tok] for tok in kv.double().tolist()]
+    enc = torch.tensor(enc, dtype=torch.uint8)
+    pe_enc = torch.tensor([[encode_e4m3(v) for v in r] for r in pe[:, 0].double().tolist()], dtype=torch.uint8)
+    assert torch.equal(codes(key)[..., :40], enc[..., :40])
+    assert torch.equal(codes(key)[..., 40:], pe_enc[:, None, :].expand(4, 3, 32))
+    assert torch.equal(codes(value), enc[..., 40:])
+
+
+def test_provided_outputs_written_in_place():
+    kv, pe = make_inputs(7, 4)
+    key = torch.full((7, 4, 192), 0x5A, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    value = torch.full((7, 4, 128), 0x5A, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    got_key, got_value = concat_mla_kv_quant_fp8(kv, pe, key, value)
+    assert got_key is key and got_value is value
+    want_key, want_value = ref_pack(kv, pe)
+    assert torch.equal(codes(key), want_key) and torch.equal(codes(value), want_value)
+
+
+def test_provided_outputs_may_be_views():
+    kv, pe = make_inputs(5, 2)
+    big = torch.zeros(5, 2, 400, dtype=torch.float8_e4m3fn)
+    key, value = big[..., :192], big[..., 200:328]
+    concat_mla_kv_quant_fp8(kv, pe, key, value)
+    want_key, want_value = ref_pack(kv, pe)
+    assert torch.equal(codes(key), want_key) and torch.equal(codes(value), want_value)
+    assert not codes(big)[..., 192:200].any() and not codes(big)[..., 328:].any()
+
+
+@pytest.mark.parametrize("layout", ["latent_slice", "three_d", "three_d_slice"])
+def test_k_pe_layouts(layout):
+    kv, pe = make_inputs(9, 3)
+    latent = torch.randn(9, 576).to(torch.bfloat16)
+    latent[:, 512:] = pe
+    arg = {"latent_slice": latent[:, 512:], "three_d": pe[:, None, :],
+           "three_d_slice": latent[:, None, 512:]}[layout]
+    key, value = concat_mla_kv_quant_fp8(kv, arg)
+    want_key, want_value = ref_pack(kv, pe)
+    assert torch.equal(codes(key), want_key) and torch.equal(codes(value), want_value)
+
+
+@pytest.mark.parametrize("backend", ["auto", "specialized", "cake"])
+def test_each_backend_name_on_cpu_takes_torch_path(backend):
+    kv, pe = make_inputs(6, 12)
+    key, value = concat_mla_kv_quant_fp8(kv, pe, backend=backend)
+    want_key, want_value = ref_pack(kv, pe)
+    assert torch.equal(codes(key), want_key) and torch.equal(codes(value), want_value)
+
+
+def test_env_switch_skips_fused_backends(monkeypatch):
+    def boom(*_):
+        raise AssertionError("a fused backend ran with the env switch set")
+
+    monkeypatch.setenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", "1")
+    monkeypatch.setattr(mkp, "_run_fused", boom)
+    kv, pe = make_inputs(4, 2)
+    key, value = concat_mla_kv_quant_fp8(kv, pe)
+    assert torch.equal(codes(key), ref_pack(kv, pe)[0])
+
+
+BAD = [
+    (lambda kv, pe: dict(kv_nope=kv, k_pe=pe, backend="fast"), ValueError, "backend"),
+    (lambda kv, pe: dict(kv_nope=kv[0], k_pe=pe), ValueError, "kv_nope"),
+    (lambda kv, pe: dict(kv_nope=kv.to(torch.int32), k_pe=pe), TypeError, "kv_nope"),
+    (lambda kv, pe: dict(kv_nope=kv, k_pe=pe, nope_dim=256), ValueError, "nope_dim"),
+    (lambda kv, pe: dict(kv_nope=kv, k_pe=pe, nope_dim=0), ValueError, "nope_dim"),
+    (lambda kv, pe: dict(kv_nope=kv, k_pe=pe[:3]), ValueError, "k_pe"),
+    (lambda kv, pe: dict(kv_nope=kv, k_pe=pe.float()), TypeError, "k_pe"),
+    (lambda kv, pe: dict(kv_nope=kv, k_pe=pe[:, None].expand(4, 2, 64)), ValueError, "k_pe"),
+    (lambda kv, pe: dict(kv_nope=kv, k_pe=pe[None]), ValueError, "k_pe"),
+    (lambda kv, pe: dict(kv_nope=kv, k_pe=pe, key=torch.empty(4, 2, 191, dtype=torch.float8_e4m3fn)), ValueError, "key"),
+    (lambda kv, pe: dict(kv_nope=kv, k_pe=pe, key=torch.empty(4, 2, 192, dtype=torch.uint8)), TypeError, "key"),
+    (lambda kv, pe: dict(kv_nope=kv, k_pe=pe, value=torch.empty(4, 3, 128, dtype=torch.float8_e4m3fn)), ValueError, "value"),
+    (lambda kv, pe: dict(kv_nope=kv, k_pe=pe, value=torch.empty(4, 2, 128, dtype=torch.bfloat16)), TypeError, "value"),
+    (lambda kv, pe: dict(kv_nope=kv, k_pe=pe, value="out"), ValueError, "value"),
+]
+
+
+@pytest.mark.parametrize("make, exc, name", BAD)
+def test_bad_arguments(make, exc, name):
+    kv, pe = make_inputs(4, 2)
+    with pytest.raises(exc, match=name):
+        concat_mla_kv_quant_fp8(**make(kv, pe))
+
+
+# -- torch.compile, custom op ------------------------------------------------------------
+def test_custom_op_fake_and_compile():
+    kv, pe = make_inputs(8, 3)
+    key = torch.empty(8, 3, 192, dtype=torch.float8_e4m3fn)
+    value = torch.empty(8, 3, 128, dtype=torch.float8_e4m3fn)
+    torch.library.opcheck(mkp._concat_op, (kv, pe, key, value, 128, "auto"),
+                          test_utils=("test_faketensor",))
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(kv, pe):
+        key, value = concat_mla_kv_quant_fp8(kv, pe)
+        return key.view(torch.uint8).float().sum() + value.view(torch.uint8).float().sum()
+
+    want_key, want_value = ref_pack(kv, pe)
+    assert step(kv, pe).item() == want_key.float().sum().item() + want_value.float().sum().item()
+
+
+# -- planning, workloads, prebuilt programs -------------------------------------------------
+def test_workloads_file_matches_module():
+    import json
+
+    from flashinfer_jit._jit import WORKLOAD_ROOT
+
+    data = json.loads((WORKLOAD_ROOT / mkp.WORKLOADS).read_text())
+    assert data["op"] == "mla_kv_pack"
+    assert max(data["num_heads"]) <= mkp.MAX_HEADS and max(data["num_tokens"]) <= mkp.MAX_TOKENS
+    assert (data["max_heads"], data["max_tokens"]) == (mkp.MAX_HEADS, mkp.MAX_TOKENS)
+    specs = mkp.prebuild_specs(data)
+    families = {s.family for s in specs}
+    assert families == {"mla_kv_pack", "mla_kv_pack_cake"}
+    assert {s.param_dict["head_group"] for s in specs if s.compiler == "cute"} == set(cake.HEAD_GROUPS)
+
+
+def test_plan_head_group_stays_in_the_built_set():
+    for heads in range(1, 129):
+        pairs = (heads + 1) // 2
+        for tokens in (1, 2, 7, 33, 64, 100, 1024, 4096, 16384, 131072):
+            group = cake.plan_head_group(tokens, heads)
+            assert group in cake.HEAD_GROUPS and (group == 1 or group <= pairs)
+
+
+def test_auto_order_names_both_backends():
+    for heads in (1, 12, 16, 128):
+        for tokens in (1, 1024, 131072):
+            assert sorted(mkp.auto_order(tokens, heads)) == ["cake", "specialized"]
+
+
+def test_cute_identity_without_the_dsl(monkeypatch):
+    import importlib.metadata
+
+    from jit_kernels import compile as jc
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    jc.cute_dsl_version.cache_clear()
+    try:
+        monkeypatch.setattr(importlib.metadata, "version", missing)
+        assert jc.compiler_identity("cute") == f"cutlass-dsl {jc.CUTE_DSL_PINNED_VERSION}"
+    finally:
+        monkeypatch.undo()
+        jc.cute_dsl_version.cache_clear()
+    # With the DSL installed, its version is the pinned one: both machines agree.
+    pytest.importorskip("cutlass")
+    assert jc.cute_dsl_version() == jc.CUTE_DSL_PINNED_VERSION
+
+
+def _cuobjdump() -> str | None:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia.cu13
+
+        path = os.path.join(list(nvidia.cu13.__path__)[0], "bin", "cuobjdump")
+        return path if os.path.exists(path) else None
+    except ImportError:
+        return None
+
+
+def test_cake_generator_builds_and_matches_launch_signature(tmp_path):
+    """The DSL's parameter layout is the one the launcher packs (sizes and order)."""
+    pytest.importorskip("cutlass")
+    import importlib.util
+
+    from flashinfer_jit._jit import TEMPLATE_ROOT
+
+    spec = importlib.util.spec_from_file_location("_cake_gen", TEMPLATE_ROOT / "mla_kv_pack_cake.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.HEAD_GROUPS == cake.HEAD_GROUPS and gen.WARPS_PER_BLOCK == cake.WARPS_PER_BLOCK
+    cubin, entry = gen.build({"head_group": 2}, "sm_90a")
+    assert cubin[:4] == b"\x7fELF" and entry.startswith("kernel_cutlass_")
+    with pytest.raises(ValueError, match="head_group"):
+        gen.build({"head_group": 3}, "sm_90a")
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump")
+    path = tmp_path / "cake.cubin"
+    path.write_bytes(cubin)
+    elf = subprocess.run([tool, "-elf", str(path)], capture_output=True, text=True).stdout
+    sizes = {}
+    for line in elf.splitlines():
+        if "Ordinal :" in line and "Size" in line:
+            fields = line.replace(":", " ").split()
+            sizes[int(fields[fields.index("Ordinal") + 1], 16)] = int(fields[fields.index("Size") + 1], 16)
+    packer = cake._family.packer
+    widths = {"P": 8, "q": 8, "i": 4}
+
+    def struct_size(codes: str) -> int:
+        size = 0
+        for c in codes:
+            size += -size % widths[c] + widths[c]
+        return size + (-size % max(widths[c] for c in codes))
+
+    assert [sizes[i] for i in range(len(sizes))] == [struct_size(c) for c in packer.signature]
+
+
+# -- measured choices -------------------------------------------------------------------
+def test_tuned_table_nearest_point_and_validation():
+    from flashinfer_jit.mla_kv_pack_tuning import Tuned, block_from_measurements
+
+    def variant(backend, param, us):
+        return {"backend": backend, "param": param, "planned": False, "us": us}
+
+    rows = [
+        {"tokens": t, "heads": h, "variants": {
+            "a": variant("specialized", 4, 10.0 if h == 12 else 12.0),
+            "b": variant("specialized", 8, 11.0),
+            "c": variant("cake", 2, 11.5 if t < 1000 else 9.0),
+            "d": variant("cake", 8, 13.0)}}
+        for h in (1, 12, 128) for t in (1, 1024, 16384) if (h, t) != (128, 16384)
+    ]
+    block = block_from_measurements(rows, "test")
+    assert block["auto"][1] == ["specialized", "cake", "cake"]
+    assert block["auto"][2][2] == "cake"  # the unmeasured point copies its nearest
+    assert block["cake_head_group"][0] == [2, 2, 2]
+    assert block["specialized_heads_per_warp"][:2] == [[8, 8, 8], [4, 4, 4]]
+    tuned = Tuned(block, cake.HEAD_GROUPS)
+    assert tuned.get("auto", 1, 12) == "specialized"
+    assert tuned.get("auto", 30, 11) == "specialized"  # nearest in log scale: (1, 12)
+    assert tuned.get("auto", 40, 11) == "cake"  # nearer to 1024 tokens
+    assert tuned.get("auto", 10**6, 1000) == "cake"
+    assert Tuned(None, cake.HEAD_GROUPS).get("auto", 1, 1) is None
+    bad = dict(block, cake_head_group=[[3, 2, 2]] * 3)
+    with pytest.raises(ValueError, match="cake_head_group"):
+        Tuned(bad, cake.HEAD_GROUPS)
+    with pytest.raises(ValueError, match="auto"):
+        Tuned(dict(block, auto=[["fast"] * 3] * 3), cake.HEAD_GROUPS)
+
+
+def test_plans_follow_the_tuned_table(monkeypatch):
+    from flashinfer_jit.mla_kv_pack_tuning import Tuned
+
+    block = {"heads": [16], "tokens": [1, 4096], "auto": [["specialized", "cake"]],
+             "cake_head_group": [[1, 4]], "specialized_heads_per_warp": [[2, 16]]}
+    monkeypatch.setattr(mkp, "TUNED", Tuned(block, cake.HEAD_GROUPS))
+    assert mkp.auto_order(1, 16) == ("specialized", "cake")
+    assert mkp.auto_order(5000, 16) == ("cake", "specialized")
+    assert (mkp.plan_cake(1, 16), mkp.plan_cake(8000, 20)) == (1, 4)
+    assert (mkp.plan_specialized(2, 16), mkp.plan_specialized(9000, 8)) == (2, 8)
+    monkeypatch.setattr(mkp, "TUNED", Tuned(None, cake.HEAD_GROUPS))
+    assert mkp.auto_order(1, 12) == ("specialized", "cake") and mkp.auto_order(1, 16)[0] == "cake"
+    assert mkp.plan_cake(1, 16) == cake.plan_head_group(1, 16)

@@ -1,0 +1,556 @@
+"""fp8_paged_mqa_logits: the op against an independent float64 reference of the seed's
+semantics, its rejected inputs, its helpers, and (on a GPU) the kernels, the schedule
+and CUDA-graph replay."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flashinfer_jit.mqa_logits as mq
+from flashinfer_jit.mqa_logits import (
+    compute_paged_mqa_logits_schedule,
+    fp8_paged_mqa_logits,
+    min_block_table_width,
+    padded_seq_len,
+)
+
+E4M3 = torch.float8_e4m3fn
+BAD_BLOCK = 2**30  # table entries a request does not own: reading one would fault
+
+
+# -- inputs ----------------------------------------------------------------------------
+def make_inputs(
+    seq_lens,
+    next_n=1,
+    heads=64,
+    dim=128,
+    block_size=64,
+    device="cpu",
+    seed=0,
+    max_seq_len=None,
+    width=None,
+    table_fill=BAD_BLOCK,
+    neg_weights=True,
+    kscale=1.0,
+):
+    """Random q/KV/weights; the pool is shuffled, unused table entries hold `table_fill`."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(seq_lens)
+    max_seq_len = max(seq_lens + [1]) if max_seq_len is None else max_seq_len
+    width = width or max(1, min_block_table_width(max_seq_len, block_size))
+    need = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.full((batch, width), table_fill, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    values = (torch.randn(num_blocks, block_size, dim, generator=gen) * kscale).to(E4M3)
+    scales = torch.rand(num_blocks, block_size, generator=gen) + 0.25
+    kv = torch.cat(
+        [values.view(torch.uint8).flatten(1), scales.view(torch.uint8).flatten(1)], dim=1
+    )
+    kv = kv.view(num_blocks, block_size, 1, dim + 4)
+    q = torch.randn(batch, next_n, heads, dim, generator=gen).to(E4M3)
+    w = torch.rand(batch * next_n, heads, generator=gen)
+    if neg_weights:
+        w = w * 2 - 1
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return [t.to(device) for t in (q, kv, w, table, lens)] + [max_seq_len]
+
+
+def reference(q, kv, w, table, lens):
+    """{row: (values float64 [valid], magnitude [valid])} straight from the byte layout."""
+    q, kv, w, table, lens = (t.cpu() for t in (q, kv, w, table, lens))
+    batch, next_n, heads, dim = q.shape
+    bs = kv.shape[1]
+    pool = kv.reshape(kv.shape[0], -1)
+    result = {}
+    for b in range(batch):
+        length = int(lens[b])
+        if length == 0:
+            continue
+        pos = torch.arange(length)
+        blocks = table[b, pos // bs].long()
+        off = pos % bs
+        kbytes = pool[blocks[:, None], off[:, None] * dim + torch.arange(dim)]
+        k = kbytes.contiguous().view(E4M3).double()
+        sbytes = pool[blocks[:, None], bs * dim + off[:, None] * 4 + torch.arange(4)]
+        scale = sbytes.contiguous().view(torch.float32)[:, 0].double()
+        for t in range(next_n):
+            valid = length - next_n + t + 1
+            if valid <= 0:
+                continue
+            qt = q[b, t].double()
+            s = qt @ k[:valid].T
+            wt = w[b * next_n + t].double()
+            vals = (s.clamp_min(0) * wt[:, None]).sum(0) * scale[:valid]
+            mag = ((qt.abs() @ k[:valid].abs().T) * wt.abs()[:, None]).sum(0) * scale[:valid].abs()
+            result[b * next_n + t] = (vals, mag)
+    return result
+
+
+def assert_close(logits, ref, rtol, name=""):
+    for row, (vals, mag) in ref.items():
+        got = logits[row, : len(vals)].double().cpu()
+        assert torch.isfinite(got).all(), f"{name} row {row}: non-finite values in the valid region"
+        err = (got - vals).abs()
+        tol = rtol * mag + 1e-6
+        bad = (err > tol).nonzero()
+        assert len(bad) == 0, (
+            f"{name} row {row}: {len(bad)} mismatches, first at {int(bad[0])}: "
+            f"got {float(got[bad[0]])} want {float(vals[bad[0]])} (mag {float(mag[bad[0]])})"
+        )
+
+
+def run_and_check(seq_lens, device="cpu", rtol=2e-3, dtypes=(torch.float32,) * 3, **kw):
+    q, kv, w, table, lens, max_len = make_inputs(seq_lens, device=device, **kw)
+    out_dt, epi_dt, acc_dt = dtypes
+    out = torch.full(
+        (len(seq_lens) * q.shape[1] + 1, padded_seq_len(max_len) + 8),
+        float("nan"),
+        dtype=out_dt,
+        device=device,
+    )
+    logits = fp8_paged_mqa_logits(
+        q,
+        kv,
+        w,
+        table,
+        lens,
+        max_len,
+        output_dtype=out_dt,
+        epi_dtype=epi_dt,
+        acc_dtype=acc_dt,
+        out=out,
+    )
+    assert logits.shape == (len(seq_lens) * q.shape[1], max_len)
+    assert logits.data_ptr() == out.data_ptr()
+    assert_close(logits, reference(q, kv, w, table, lens), rtol)
+    # Rows of zero-length requests and everything past the padded width are untouched.
+    cols = padded_seq_len(max_len)
+    assert torch.isnan(out[:, cols:]).all() and torch.isnan(out[-1]).all()
+    for b, n in enumerate(seq_lens):
+        if n == 0:
+            assert torch.isnan(out[b * q.shape[1] : (b + 1) * q.shape[1]]).all()
+    return logits
+
+
+EDGE_LENS = [0, 1, 2, 63, 64, 65, 128, 200, 257]
+
+
+# -- helpers of the contract -----------------------------------------------------------
+def test_helpers():
+    assert min_block_table_width(8000, 32) == 250
+    assert min_block_table_width(0, 64) == 0
+    assert (
+        padded_seq_len(8000) == 8192 and padded_seq_len(8192) == 8192 and padded_seq_len(1) == 256
+    )
+    with pytest.raises(ValueError, match="block_size"):
+        min_block_table_width(10, 0)
+
+
+def test_schedule_host_rule():
+    lens = torch.tensor([0, 100, 64, 0, 1000, 1], dtype=torch.int32)
+    sched = compute_paged_mqa_logits_schedule(lens, 64, num_sms=5)
+    assert sched.shape == (6, 2) and sched.dtype == torch.int32
+    tiles = [0, 2, 1, 0, 16, 1]
+    flat = [(b, t) for b, n in enumerate(tiles) for t in range(n)]
+    for c in range(5):
+        assert tuple(sched[c].tolist()) == flat[c * len(flat) // 5]
+    assert tuple(sched[5].tolist()) == (6, 0)
+
+
+# -- the torch path (CPU tensors) ---------------------------------------------------------
+@pytest.mark.parametrize(
+    "next_n,heads,block_size", [(1, 64, 64), (2, 32, 32), (3, 64, 128), (4, 32, 64)]
+)
+def test_cpu_matches_reference(next_n, heads, block_size):
+    run_and_check(
+        EDGE_LENS + [next_n - 1], next_n=next_n, heads=heads, block_size=block_size, seed=next_n
+    )
+
+
+def test_cpu_strided_tables_and_lens():
+    q, kv, w, table, lens, max_len = make_inputs([5, 130, 64, 0], next_n=2, heads=32)
+    wide_table = torch.full((8, table.shape[1]), BAD_BLOCK, dtype=torch.int32)
+    wide_table[::2] = table
+    wide_lens = torch.zeros(8, dtype=torch.int32)
+    wide_lens[::2] = lens
+    a = fp8_paged_mqa_logits(q, kv, w, wide_table[::2], wide_lens[::2], max_len)
+    b = fp8_paged_mqa_logits(q, kv, w, table, lens, max_len)
+    ref = reference(q, kv, w, table, lens)
+    assert_close(a, ref, 2e-3)
+    for row in ref:
+        assert torch.equal(a[row, : len(ref[row][0])], b[row, : len(ref[row][0])])
+
+
+@pytest.mark.parametrize(
+    "dtypes,rtol",
+    [
+        ((torch.float16, torch.float32, torch.float32), 2e-3),
+        ((torch.float32, torch.float16, torch.float32), 2e-2),
+        ((torch.float32, torch.float32, torch.float16), 2e-2),
+        ((torch.float16, torch.float16, torch.float16), 3e-2),
+    ],
+)
+def test_cpu_half_precision(dtypes, rtol):
+    run_and_check([1, 77, 300], next_n=2, heads=32, dtypes=dtypes, rtol=rtol)
+
+
+def test_cpu_fp16_overflow_is_inf():
+    # |logit| far above 65504: float16 epilogue or output saturates to inf, float32 does not.
+    q, kv, w, table, lens, max_len = make_inputs([64], heads=64, neg_weights=False)
+    q = torch.full_like(q.float(), 448.0).to(E4M3)
+    kv_vals = kv.reshape(kv.shape[0], -1)
+    kv_vals[:, : 64 * 128] = torch.tensor(448.0).to(E4M3).view(torch.uint8)
+    w = torch.ones_like(w)
+    ref32 = fp8_paged_mqa_logits(q, kv, w, table, lens, max_len)
+    assert torch.isfinite(ref32[0, :64]).all() and (ref32[0, :64] > 65504).all()
+    for out_dt, epi_dt in ((torch.float16, torch.float32), (torch.float32, torch.float16)):
+        got = fp8_paged_mqa_logits(
+            q, kv, w, table, lens, max_len, output_dtype=out_dt, epi_dtype=epi_dt
+        )
+        assert torch.isinf(got[0, :64]).all()
+
+
+def test_cpu_internal_allocation_and_empty():
+    q, kv, w, table, lens, max_len = make_inputs([0, 0])
+    logits = fp8_paged_mqa_logits(q, kv, w, table, lens, max_len)
+    assert logits.shape == (2, max_len)
+    assert logits.stride(0) == padded_seq_len(max_len)
+
+
+# -- rejected inputs ----------------------------------------------------------------------
+NAMES = ("q", "kv_fused", "weights", "block_tables", "seq_lens", "max_seq_len")
+
+
+def _named(inputs) -> dict:
+    return dict(zip(NAMES, inputs, strict=True))
+
+
+def _args(**kw):
+    return _named(make_inputs([10, 70], next_n=2, heads=32, **kw))
+
+
+def _call(a, **kw):
+    return fp8_paged_mqa_logits(
+        a["q"],
+        a["kv_fused"],
+        a["weights"],
+        a["block_tables"],
+        a["seq_lens"],
+        a["max_seq_len"],
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(
+    "change,exc,match",
+    [
+        (dict(output_dtype=torch.bfloat16), ValueError, "bfloat16 is not supported"),
+        (dict(epi_dtype=torch.bfloat16), ValueError, "epi_dtype"),
+        (dict(acc_dtype=torch.float64), ValueError, "acc_dtype"),
+    ],
+)
+def test_rejects_dtypes(change, exc, match):
+    with pytest.raises(exc, match=match):
+        _call(_args(), **change)
+
+
+def test_rejects_geometry():
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 32"):
+        _call(_args(dim=48))
+    with pytest.raises(ValueError, match="num_heads must be a multiple of 4"):
+        _call(_named(make_inputs([4], next_n=4, heads=6)))
+    for next_n, heads in ((1, 4), (2, 132), (5, 64)):
+        a = _named(make_inputs([4], next_n=next_n, heads=heads))
+        with pytest.raises(
+            ValueError, match=r"next_n\*num_heads must be a multiple of 8 in \[8, 256\]"
+        ):
+            _call(a)
+    with pytest.raises(ValueError, match="block_size"):
+        _call(_args(block_size=16))
+    a = _named(make_inputs([4], next_n=4, heads=64, dim=1024))
+    with pytest.raises(ValueError, match="shared memory"):
+        _call(a)
+
+
+def test_rejects_tensors():
+    a = _args()
+    with pytest.raises(TypeError, match="q must be torch.float8_e4m3fn"):
+        _call(dict(a, q=a["q"].float()))
+    with pytest.raises(ValueError, match="kv_fused must be"):
+        _call(dict(a, kv_fused=a["kv_fused"][..., :-4]))
+    with pytest.raises(ValueError, match="kv_fused must be contiguous"):
+        _call(dict(a, kv_fused=a["kv_fused"][::2]))
+    with pytest.raises(ValueError, match="weights must be"):
+        _call(dict(a, weights=a["weights"][:1]))
+    with pytest.raises(TypeError, match="block_tables must be torch.int32"):
+        _call(dict(a, block_tables=a["block_tables"].long()))
+    with pytest.raises(ValueError, match=r"stride\(1\) == 1"):
+        _call(dict(a, block_tables=torch.cat([a["block_tables"]] * 2, 1)[:, ::2]))
+    with pytest.raises(TypeError, match="seq_lens must be torch.int32"):
+        _call(dict(a, seq_lens=a["seq_lens"].long()))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        _call(dict(a, max_seq_len=-1))
+
+
+def test_rejects_out():
+    a = _args()
+    rows, cols = 4, padded_seq_len(a["max_seq_len"])
+    with pytest.raises(ValueError, match="at least"):
+        _call(a, out=torch.empty(rows, a["max_seq_len"]))
+    with pytest.raises(TypeError, match="output_dtype"):
+        _call(a, out=torch.empty(rows, cols, dtype=torch.float16))
+    with pytest.raises(ValueError, match="overlap"):
+        _call(a, out=torch.empty(rows * cols).as_strided((rows, cols), (cols // 2, 1)))
+    with pytest.raises(ValueError, match="overlap"):
+        _call(a, out=torch.empty(1, cols).expand(rows, cols))
+    with pytest.raises(ValueError, match=r"stride\(1\) == 1"):
+        _call(a, out=torch.empty(rows, 2 * cols)[:, ::2])
+    wide = torch.full((8, 3 * cols), float("nan"))
+    _call(a, out=wide[2:6, cols : 2 * cols])  # a row slice of a wider buffer is fine
+    assert torch.isnan(wide[:2]).all() and torch.isnan(wide[6:]).all()
+
+
+def test_rejects_output_over_2_31():
+    q = torch.empty(1, 1, 64, 128, dtype=E4M3).expand(70000, 1, 64, 128)
+    kv = torch.empty(1, 64, 1, 132, dtype=torch.uint8)
+    w = torch.empty(1, 64).expand(70000, 64)
+    table = torch.zeros(1, 512, dtype=torch.int32).expand(70000, 512)
+    lens = torch.zeros(1, dtype=torch.int32).expand(70000)
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        fp8_paged_mqa_logits(q, kv, w, table, lens, 32768)
+
+
+def test_validate_inputs(monkeypatch):
+    a = _args()
+    monkeypatch.setenv("FLASHINFER_VALIDATE_INPUTS", "1")
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        _call(dict(a, max_seq_len=20))
+    with pytest.raises(ValueError, match="min_block_table_width"):
+        _call(dict(a, block_tables=a["block_tables"][:, :1].contiguous()))
+    _call(a)
+    monkeypatch.delenv("FLASHINFER_VALIDATE_INPUTS")
+    _call(dict(a, block_tables=a["block_tables"][:, :2].contiguous()))  # unchecked by default
+
+
+def test_rejects_bad_schedule():
+    a = _args()
+    with pytest.raises(ValueError, match="schedule_meta"):
+        _call(a, schedule_meta=torch.zeros(3, 2, dtype=torch.int64))
+
+
+# -- registration, workloads, compilation (no GPU needed) ---------------------------------
+def test_custom_op_registered():
+    op = torch.ops.flashinfer_jit.fp8_paged_mqa_logits
+    a = _args()
+    out = torch.empty(4, padded_seq_len(a["max_seq_len"]))
+    torch.library.opcheck(
+        op,
+        (
+            a["q"],
+            a["kv_fused"],
+            a["weights"],
+            a["block_tables"],
+            a["seq_lens"],
+            a["max_seq_len"],
+            torch.float32,
+            torch.float32,
+            torch.float32,
+            None,
+            out,
+        ),
+        test_utils=("test_faketensor", "test_autograd_registration"),
+    )
+
+
+def test_prebuild_specs_cover_workloads():
+    import json
+
+    from flashinfer_jit._jit import WORKLOAD_ROOT
+
+    workloads = json.loads((WORKLOAD_ROOT / mq.WORKLOADS).read_text())
+    specs = mq.prebuild_specs(workloads)
+    labels = [s.label for s in specs]
+    assert any(s.family == "mqa_logits_schedule" for s in specs)
+    assert len(specs) == 1 + math.prod(
+        len(workloads[k]) for k in ("next_n", "num_heads", "head_dim", "block_size", "output_dtype")
+    )
+    assert all("portable=False" in lbl for lbl in labels if lbl.startswith("mqa_logits["))
+
+
+def _sass(cubin: bytes, tmp_path) -> tuple[str, str]:
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = shutil.which("cuobjdump") or str(
+        Path(sys.prefix) / "lib" / f"python{sys.version_info.major}."
+        f"{sys.version_info.minor}" / "site-packages/nvidia/cu13/bin/cuobjdump"
+    )
+    if not Path(tool).exists():
+        pytest.skip("cuobjdump not installed")
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cubin)
+    sass = subprocess.run(
+        [tool, "-sass", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    res = subprocess.run(
+        [tool, "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    return sass, res
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        (1, 64, 128, 64, torch.float32, torch.float32, torch.float32),
+        (4, 64, 128, 32, torch.float16, torch.float16, torch.float16),
+        (2, 4, 96, 128, torch.float32, torch.float16, torch.float32),
+    ],
+)
+def test_kernels_compile(arch, params, tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from flashinfer_jit._jit import BUILDER
+    from jit_kernels import compile_cubin, render
+
+    spec = mq._logits_family.spec(mq._params(*params))
+    cubin = compile_cubin(render(spec, BUILDER.template_root), arch).cubin
+    sass, res = _sass(cubin, tmp_path)
+    assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills on {arch}: {res}"
+    if arch == "sm_90a":
+        assert "QGMMA" in sass, "the sm_90a path must use fp8 wgmma"
+    else:
+        assert "HMMA" in sass
+    sched = mq._schedule_family.spec((256,))
+    assert compile_cubin(render(sched, BUILDER.template_root), arch).cubin
+
+
+# -- GPU ----------------------------------------------------------------------------------
+VARIANTS = {
+    "auto": None,
+    "portable": (2, 2, True),
+    "wgmma_1wg": (1, 3, False),
+    "wgmma_2x1": (2, 1, False),
+}
+
+
+@pytest.fixture
+def variant(request, monkeypatch):
+    monkeypatch.setattr(mq, "_config_override", VARIANTS[request.param])
+    monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a fallback to torch would hide a kernel bug
+    return request.param
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS), indirect=True)
+@pytest.mark.parametrize(
+    "next_n,heads,block_size",
+    [(1, 64, 64), (2, 32, 32), (3, 64, 128), (4, 64, 64), (2, 4, 64), (1, 32, 128)],
+)
+def test_gpu_matches_reference(variant, next_n, heads, block_size):
+    lens = EDGE_LENS + [next_n - 1, 1000, 64 * 7, 3 * block_size]
+    run_and_check(
+        lens, device="cuda", next_n=next_n, heads=heads, block_size=block_size, seed=7 + next_n
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["auto", "portable"], indirect=True)
+@pytest.mark.parametrize(
+    "dtypes,rtol",
+    [
+        ((torch.float16, torch.float32, torch.float32), 2e-3),
+        ((torch.float32, torch.float16, torch.float32), 2e-2),
+        ((torch.float32, torch.float32, torch.float16), 2e-2),
+        ((torch.float16, torch.float16, torch.float16), 3e-2),
+    ],
+)
+def test_gpu_half_precision(variant, dtypes, rtol):
+    run_and_check([1, 77, 300, 64, 0], device="cuda", next_n=2, heads=32, dtypes=dtypes, rtol=rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["auto", "portable"], indirect=True)
+@pytest.mark.parametrize("dim", [32, 96, 160, 256])
+def test_gpu_other_head_dims(variant, dim):
+    run_and_check([5, 64, 333], device="cuda", next_n=1, heads=64, dim=dim, seed=dim)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["auto"], indirect=True)
+def test_gpu_many_requests(variant):
+    gen = torch.Generator().manual_seed(3)
+    lens = torch.randint(0, 3000, (300,), generator=gen).tolist()
+    run_and_check(lens, device="cuda", next_n=2, heads=64, seed=11)
+
+
+@pytest.mark.gpu
+def test_gpu_fp16_overflow_is_inf():
+    q, kv, w, table, lens, max_len = make_inputs([64], heads=64, neg_weights=False, device="cuda")
+    q = torch.full(q.shape, 448.0, device="cuda").to(E4M3)
+    kv.view(kv.shape[0], -1)[:, : 64 * 128] = torch.tensor(448.0).to(E4M3).view(torch.uint8).item()
+    w = torch.ones_like(w)
+    for out_dt, epi_dt in ((torch.float16, torch.float32), (torch.float32, torch.float16)):
+        got = fp8_paged_mqa_logits(
+            q, kv, w, table, lens, max_len, output_dtype=out_dt, epi_dtype=epi_dt
+        )
+        assert torch.isinf(got[0, :64]).all()
+
+
+@pytest.mark.gpu
+def test_gpu_schedule_and_strides():
+    q, kv, w, table, lens, max_len = make_inputs(
+        [0, 5, 700, 64, 0, 1999, 3], next_n=2, heads=32, device="cuda"
+    )
+    sched = compute_paged_mqa_logits_schedule(lens, 64)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert torch.equal(sched.cpu(), mq.schedule_torch(lens.cpu(), num_sms))
+    wide_table = torch.full((14, table.shape[1]), BAD_BLOCK, dtype=torch.int32, device="cuda")
+    wide_table[::2] = table
+    wide_lens = torch.zeros(14, dtype=torch.int32, device="cuda")
+    wide_lens[::2] = lens
+    a = fp8_paged_mqa_logits(
+        q, kv, w, wide_table[::2], wide_lens[::2], max_len, schedule_meta=sched
+    )
+    b = fp8_paged_mqa_logits(q, kv, w, table, lens, max_len)
+    ref = reference(q, kv, w, table, lens)
+    assert_close(a, ref, 2e-3)
+    for row in ref:
+        n = len(ref[row][0])
+        assert torch.equal(a[row, :n], b[row, :n])
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_follows_seq_lens():
+    q, kv, w, table, lens, max_len = make_inputs(
+        [300, 4000, 1, 2500], next_n=2, heads=64, device="cuda", table_fill=0, max_seq_len=4096
+    )
+    out = torch.full((8, padded_seq_len(4096)), float("nan"), device="cuda")
+    fp8_paged_mqa_logits(q, kv, w, table, lens, 4096, out=out)  # compile/load outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8_paged_mqa_logits(q, kv, w, table, lens, 4096, out=out)
+    for new in ([4000, 300, 0, 2], [64, 64, 4096, 1]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, reference(q, kv, w, table, lens), 2e-3, name=f"replay {new}")
+
+
+@pytest.mark.gpu
+def test_gpu_torch_path_matches(monkeypatch):
+    q, kv, w, table, lens, max_len = make_inputs([100, 0, 513], next_n=3, heads=32, device="cuda")
+    ref = reference(q, kv, w, table, lens)
+    monkeypatch.setenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", "1")
+    assert_close(fp8_paged_mqa_logits(q, kv, w, table, lens, max_len), ref, 2e-3, name="torch path")

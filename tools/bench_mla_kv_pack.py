@@ -1,0 +1,216 @@
+"""Benchmark concat_mla_kv_quant_fp8: both fused backends, their plan variants, auto, torch.
+
+    python tools/bench_mla_kv_pack.py [--tokens 1,16,...] [--heads 1,12,...] [--json FILE]
+
+Per (tokens, heads) point: every backend variant is checked bit-exact against the
+composable torch path first, then timed. Kernel time is taken with a pair of CUDA
+events around each call, median of many calls, inputs rotating over enough sets to
+exceed L2 (60 MiB on the H200) where memory allows. A long sleep kernel is queued
+before each batch of calls so the host's launch cost stays hidden behind the GPU and
+the events measure the kernels themselves. Byte floor = bytes read + written / 4.24 TB/s.
+
+Variants: specialized with several heads-per-warp splits, cake with every head group;
+the planned choice of each is marked with '*'. The table (printed last) has the data
+the auto policy needs: each backend's planned and best time, and what auto picks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flashinfer_jit import mla_kv_pack as mkp  # noqa: E402
+from flashinfer_jit import mla_kv_pack_cake as cake  # noqa: E402
+
+CEILING_TBPS = 4.24
+L2_BYTES = 60 << 20
+MAX_POINT_BYTES = 4 << 30  # skip points whose traffic exceeds ~4 GB
+KERNEL_REPS, TORCH_REPS = 60, 8
+
+
+def point_bytes(tokens: int, heads: int) -> int:
+    # kv_nope read (512 B/row), key (192 B) and value (128 B) written, k_pe read once.
+    return tokens * heads * (512 + 192 + 128) + tokens * 128
+
+
+def make_sets(tokens: int, heads: int, count: int):
+    sets = []
+    for i in range(count):
+        g = torch.Generator(device="cuda").manual_seed(i)
+        kv = (torch.randn(tokens, heads, 256, device="cuda", generator=g) * 50).to(torch.bfloat16)
+        latent = (torch.randn(tokens, 576, device="cuda", generator=g) * 50).to(torch.bfloat16)
+        key = torch.empty(tokens, heads, 192, dtype=torch.float8_e4m3fn, device="cuda")
+        value = torch.empty(tokens, heads, 128, dtype=torch.float8_e4m3fn, device="cuda")
+        sets.append((kv, latent[:, 512:], key, value))  # k_pe as serving passes it
+    return sets
+
+
+def time_calls(fn, sets, reps: int) -> float:
+    """Median µs of ``fn(*set)`` over ``reps`` calls, one CUDA-event pair per call."""
+    for s in sets[:2]:
+        fn(*s)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(10):
+        fn(*sets[i % len(sets)])
+    host_us = (time.perf_counter() - start) / 10 * 1e6
+    torch.cuda.synchronize()
+    times: list[float] = []
+    batch = 20
+    while len(times) < reps:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(batch)]
+        # ~2 GHz: queue enough sleep that the host enqueues the whole batch meanwhile.
+        torch.cuda._sleep(int(batch * (host_us + 10) * 2000 * 1.5))
+        for i, (a, b) in enumerate(events):
+            s = sets[(len(times) + i) % len(sets)]
+            a.record()
+            fn(*s)
+            b.record()
+        torch.cuda.synchronize()
+        times += [a.elapsed_time(b) * 1000 for a, b in events]
+    return statistics.median(times)
+
+
+def variants(tokens: int, heads: int) -> dict[str, tuple]:
+    """name -> (launch fn, backend, param, planned?)."""
+    out = {}
+    planned = mkp.plan_specialized(tokens, heads)
+    for hpw in sorted({planned, 1, 2, 4, 8, 16, 32, heads} & set(range(1, heads + 1))):
+        out[f"spec/hpw={hpw}"] = (
+            lambda kv, pe, k, v, h=hpw: mkp._launch_specialized(kv, pe, k, v, heads_per_warp=h),
+            "specialized", hpw, hpw == planned)
+    group = mkp.plan_cake(tokens, heads)
+    for g in cake.HEAD_GROUPS:
+        out[f"cake/G={g}"] = (lambda kv, pe, k, v, g=g: cake.launch(kv, pe, k, v, head_group=g), "cake", g, g == group)
+    return out
+
+
+def run_point(tokens: int, heads: int) -> dict:
+    nbytes = point_bytes(tokens, heads)
+    count = max(1, min(32, -(-2 * L2_BYTES // nbytes)))
+    sets = make_sets(tokens, heads, count)
+    kv, pe, key, value = sets[0]
+    ref_key = torch.empty_like(key)
+    ref_value = torch.empty_like(value)
+    mkp._pack_torch(kv, pe, ref_key, ref_value, 128)
+    row = {"tokens": tokens, "heads": heads, "bytes": nbytes, "floor_us": nbytes / (CEILING_TBPS * 1e6),
+           "variants": {}, "errors": []}
+    for name, (fn, backend, param, planned) in variants(tokens, heads).items():
+        try:
+            key.view(torch.uint8).fill_(0x5A)
+            value.view(torch.uint8).fill_(0x5A)
+            fn(kv, pe, key, value)
+            torch.cuda.synchronize()
+            if not (torch.equal(key.view(torch.uint8), ref_key.view(torch.uint8))
+                    and torch.equal(value.view(torch.uint8), ref_value.view(torch.uint8))):
+                raise AssertionError("output differs from the torch path")
+            us = time_calls(fn, sets, KERNEL_REPS)
+            row["variants"][name] = {"backend": backend, "param": param, "planned": planned, "us": us}
+        except Exception as exc:  # one broken variant must not hide the others
+            row["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+    try:
+        auto = lambda kv, pe, k, v: mkp.concat_mla_kv_quant_fp8(kv, pe, k, v, backend="auto")  # noqa: E731
+        row["auto_pick"] = mkp.auto_order(tokens, heads)[0]
+        row["auto_us"] = time_calls(auto, sets, KERNEL_REPS)
+        torch_fn = lambda kv, pe, k, v: mkp._pack_torch(kv, pe, k, v, 128)  # noqa: E731
+        row["torch_us"] = time_calls(torch_fn, sets[:2], TORCH_REPS)
+    except Exception as exc:
+        row["errors"].append(f"auto/torch: {type(exc).__name__}: {exc}")
+        traceback.print_exc()
+    del sets
+    torch.cuda.empty_cache()
+    return row
+
+
+def summarize(row: dict) -> list[str]:
+    def pick(backend: str, planned_only: bool):
+        vs = [(v["us"], n) for n, v in row["variants"].items()
+              if v["backend"] == backend and (v["planned"] or not planned_only)]
+        return min(vs) if vs else (float("nan"), "-")
+
+    spec, spec_best = pick("specialized", True), pick("specialized", False)
+    cake_, cake_best = pick("cake", True), pick("cake", False)
+    best = min(spec[0], cake_[0])
+    auto = row.get("auto_us", float("nan"))
+    floor = row["floor_us"]
+    return [
+        str(row["tokens"]), str(row["heads"]), f"{floor:.2f}",
+        f"{spec[0]:.2f}", f"{spec_best[0]:.2f} ({spec_best[1].split('/')[1]})",
+        f"{cake_[0]:.2f}", f"{cake_best[0]:.2f} ({cake_best[1].split('/')[1]})",
+        f"{100 * floor / best:.0f}%", f"{row.get('torch_us', float('nan')):.1f}",
+        row.get("auto_pick", "-"), f"{auto:.2f}", f"{100 * (auto / best - 1):+.1f}%",
+        "; ".join(row["errors"])[:60] or "ok",
+    ]
+
+
+def write_tuned(results: Path) -> int:
+    from flashinfer_jit._jit import WORKLOAD_ROOT
+    from flashinfer_jit.mla_kv_pack_tuning import Tuned, block_from_measurements
+
+    data = json.loads(results.read_text())
+    block = block_from_measurements(data["rows"], data["device"])
+    Tuned(block, cake.HEAD_GROUPS)  # validates
+    path = WORKLOAD_ROOT / mkp.WORKLOADS
+    workloads = json.loads(path.read_text())
+    workloads["tuned"] = block
+    text = json.dumps(workloads, indent=2)
+    # One line per list of scalars keeps the tables readable: a row per head count.
+    text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + ", ".join(
+        x.strip() for x in m.group(1).split(",")) + "]", text)
+    path.write_text(text + "\n")
+    print(f"wrote the tuned block ({len(block['heads'])} x {len(block['tokens'])} points) to {path}")
+    return 0
+
+
+HEADER = ["tokens", "heads", "floor us", "spec us", "spec best (hpw)", "cake us", "cake best (G)",
+          "% floor", "torch us", "auto", "auto us", "auto vs best", "errors"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="1,16,64,1024,16384,131072")
+    parser.add_argument("--heads", default="1,12,16,128")
+    parser.add_argument("--json", help="also write every measurement here")
+    parser.add_argument("--write-tuned", metavar="RESULTS",
+                        help="no GPU needed: turn a --json file into the workloads JSON's tuned block")
+    args = parser.parse_args()
+    if args.write_tuned:
+        return write_tuned(Path(args.write_tuned))
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}  torch {torch.__version__}", flush=True)
+    rows = []
+    for heads in [int(h) for h in args.heads.split(",")]:
+        for tokens in [int(t) for t in args.tokens.split(",")]:
+            if point_bytes(tokens, heads) > MAX_POINT_BYTES:
+                print(f"skip {tokens}x{heads}: over {MAX_POINT_BYTES >> 30} GB", flush=True)
+                continue
+            row = run_point(tokens, heads)
+            rows.append(row)
+            detail = ", ".join(f"{n} {v['us']:.2f}{'*' if v['planned'] else ''}" for n, v in row["variants"].items())
+            print(f"{tokens}x{heads}: {detail}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": device, "rows": rows}, indent=1))
+    cells = [HEADER] + [summarize(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+    print()
+    print("(spec/cake us: the planned variant; best: the fastest variant tried; % floor: of the faster planned backend)")
+    for i, c in enumerate(cells):
+        print(" | ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)))
+        if i == 0:
+            print("-+-".join("-" * w for w in widths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Benchmark fp8_paged_mqa_logits on the GPU against the byte floor and DeepGEMM's figures.
+
+    python tools/bench_mqa_logits.py [--quick] [--reps N]
+
+Inputs follow ../shared/FACTS.md's DeepGEMM table: head_dim 128, block 64 (plus block 32
+and 128 comparisons), seq lens uniform in [0.7 L, L], a shuffled KV pool, fp32 logits.
+Per row every kernel variant (warpgroups, stages, wgmma/portable) is checked against a
+float64 reference on a few requests and then timed with CUDA events around the eager
+call (internal output allocation, like DeepGEMM's), median over many reps, rotating
+enough input sets that the KV pool does not sit in L2. The summary table prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import flashinfer_jit.mqa_logits as mq  # noqa: E402
+
+BW = 4.24e12  # measured device-to-device copy bandwidth (bytes read + written per second)
+D = 128
+ROWS = [  # B, next_n, H, L, DeepGEMM us, target us (eager), target us (graph replay)
+    (1, 1, 64, 8192, 21.6, 18, 8),
+    (32, 1, 64, 8192, 22.2, 18, 12),
+    (256, 1, 64, 8192, 88.8, 72, None),
+    (256, 2, 64, 8192, 94.4, 78, None),
+    (64, 1, 64, 65536, 147.3, 128, None),
+    (64, 2, 64, 65536, 158.3, 135, None),
+    (256, 1, 32, 8192, 86.0, 70, None),
+    (128, 3, 64, 16384, None, 85, None),
+    (128, 4, 32, 16384, None, 85, None),
+]
+VARIANTS = [
+    None,
+    (1, 2, False),
+    (1, 4, False),
+    (2, 1, False),
+    (2, 2, False),
+    (2, 3, False),
+    (2, 4, False),
+    (3, 2, False),
+    (3, 3, False),
+    (4, 2, False),
+    (2, 2, True),
+]
+
+
+def vname(v) -> str:
+    return "auto" if v is None else f"{'mma' if v[2] else 'wg'}{v[0]}x{v[1]}"
+
+
+def make_set(batch, next_n, heads, length, block, gen, device="cuda"):
+    lens = torch.randint(int(0.7 * length), length + 1, (batch,), generator=gen, dtype=torch.int32)
+    need = (lens + block - 1) // block
+    num_blocks = int(need.sum())
+    width = mq.min_block_table_width(length, block)
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    table = torch.zeros(batch, width, dtype=torch.int32)
+    start = 0
+    for b in range(batch):
+        n = int(need[b])
+        table[b, :n] = perm[start : start + n]
+        start += n
+    kv = torch.empty(num_blocks, block * (D + 4), dtype=torch.uint8, device=device)
+    vals = torch.randn(num_blocks, block * D, device=device).to(torch.float8_e4m3fn)
+    kv[:, : block * D] = vals.view(torch.uint8)
+    kv[:, block * D :] = (torch.rand(num_blocks, block, device=device) + 0.5).view(torch.uint8)
+    kv = kv.view(num_blocks, block, 1, D + 4)
+    q = torch.randn(batch, next_n, heads, D, device=device).to(torch.float8_e4m3fn)
+    w = torch.randn(batch * next_n, heads, device=device)
+    return q, kv, w, table.to(device), lens.to(device)
+
+
+def check(logits, q, kv, w, table, lens, requests=4):
+    """float64 reference on a few requests (gathered independently of the op's torch path)."""
+    batch, next_n, heads, _ = q.shape
+    block = kv.shape[1]
+    pool = kv.view(kv.shape[0], -1)
+    for b in torch.linspace(0, batch - 1, min(batch, requests)).long().tolist():
+        n = int(lens[b])
+        pos = torch.arange(n, device=q.device)
+        blk = table[b, pos // block].long()
+        off = pos % block
+        k = pool[blk[:, None], off[:, None] * D + torch.arange(D, device=q.device)].view(
+            torch.float8_e4m3fn
+        )
+        sc = pool[blk[:, None], block * D + off[:, None] * 4 + torch.arange(4, device=q.device)]
+        sc = sc.contiguous().view(torch.float32)[:, 0].double()
+        k = k.double()
+        for t in range(next_n):
+            valid = n - next_n + t + 1
+            s = q[b, t].double() @ k[:valid].T
+            wt = w[b * next_n + t].double()
+            ref = (s.clamp_min(0) * wt[:, None]).sum(0) * sc[:valid]
+            mag = ((q[b, t].double().abs() @ k[:valid].abs().T) * wt.abs()[:, None]).sum(0) * sc[
+                :valid
+            ]
+            err = (logits[b * next_n + t, :valid].double() - ref).abs()
+            if not bool((err <= 2e-3 * mag + 1e-6).all()):
+                raise AssertionError(
+                    f"mismatch in request {b} slot {t}: max err {float(err.max())}"
+                )
+
+
+def time_eager(sets, max_len, reps):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(reps):
+        q, kv, w, table, lens = sets[i % len(sets)]
+        start.record()
+        mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def time_graph(sets, max_len, reps):
+    """Replay time of a captured call (out= and schedule_meta=None), one graph per set."""
+    graphs = []
+    for q, kv, w, table, lens in sets[:8]:
+        out = torch.empty(q.shape[0] * q.shape[1], mq.padded_seq_len(max_len), device="cuda")
+        mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len, out=out)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len, out=out)
+        graphs.append(g)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(reps):
+        start.record()
+        graphs[i % len(graphs)].replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def floor_us(sets, next_n):
+    tokens = statistics.mean(float(s[4].sum()) for s in sets)
+    return tokens * (D + 4 + 4 * next_n) / BW * 1e6
+
+
+def run_row(batch, next_n, heads, length, block, reps, variants, gen):
+    set_bytes = batch * 0.85 * length * (D + 4)
+    n_sets = int(min(48, max(2, 240e6 // max(set_bytes, 1))))
+    sets = [make_set(batch, next_n, heads, length, block, gen) for _ in range(n_sets)]
+    results = {}
+    for v in variants:
+        mq._config_override = v
+        try:
+            q, kv, w, table, lens = sets[0]
+            logits = mq.fp8_paged_mqa_logits(q, kv, w, table, lens, length)
+            check(logits, q, kv, w, table, lens)
+            results[vname(v)] = time_eager(sets, length, reps)
+        except Exception as exc:  # report and keep going
+            results[vname(v)] = None
+            print(f"  [{batch},{next_n},{heads},{length},blk{block}] {vname(v)} failed: {exc!r}")
+            traceback.print_exc(limit=2)
+        finally:
+            mq._config_override = None
+    return sets, results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--quick", action="store_true", help="auto variant only")
+    args = parser.parse_args()
+    variants = [None] if args.quick else VARIANTS
+    gen = torch.Generator().manual_seed(0)
+    torch.cuda.init()
+    print(
+        f"device: {torch.cuda.get_device_name()}  SMs: {torch.cuda.get_device_properties(0).multi_processor_count}"
+    )
+
+    summary, per_variant, blocks, graphs = [], [], [], []
+    for batch, next_n, heads, length, dg, target, gtarget in ROWS:
+        try:
+            sets, res = run_row(batch, next_n, heads, length, 64, args.reps, variants, gen)
+            floor = floor_us(sets, next_n)
+            ok = {k: v for k, v in res.items() if v is not None}
+            best = min(ok, key=ok.get) if ok else None
+            per_variant.append((batch, next_n, heads, length, res))
+            summary.append(
+                (
+                    batch,
+                    next_n,
+                    heads,
+                    length,
+                    floor,
+                    res.get("auto"),
+                    ok.get(best),
+                    best,
+                    dg,
+                    target,
+                )
+            )
+            if gtarget is not None:
+                graphs.append(
+                    (batch, next_n, heads, length, time_graph(sets, length, args.reps), gtarget)
+                )
+            del sets
+            for block in (32, 128):
+                bsets, bres = run_row(batch, next_n, heads, length, block, args.reps, [None], gen)
+                blocks.append(
+                    (batch, next_n, heads, length, block, bres.get("auto"), res.get("auto"))
+                )
+                del bsets
+        except Exception as exc:
+            print(f"row {batch},{next_n},{heads},{length} failed: {exc!r}")
+            traceback.print_exc(limit=3)
+        torch.cuda.empty_cache()
+
+    def f(x, nd=1):
+        return "-" if x is None else f"{x:.{nd}f}"
+
+    names = [vname(v) for v in variants]
+    print("\nper-variant eager us (block 64):")
+    print("| B | next_n | H | L | " + " | ".join(names) + " |")
+    for batch, next_n, heads, length, res in per_variant:
+        print(
+            f"| {batch} | {next_n} | {heads} | {length} | "
+            + " | ".join(f(res.get(n)) for n in names)
+            + " |"
+        )
+    print("\nblock size comparison (auto variant, eager us):")
+    print("| B | next_n | H | L | block | us | block-64 us | ratio |")
+    for batch, next_n, heads, length, block, t, t64 in blocks:
+        ratio = f"{t / t64:.2f}" if t and t64 else "-"
+        print(
+            f"| {batch} | {next_n} | {heads} | {length} | {block} | {f(t)} | {f(t64)} | {ratio} |"
+        )
+    print("\nCUDA-graph replay (out=, schedule_meta=None):")
+    print("| B | next_n | H | L | replay us | target us |")
+    for batch, next_n, heads, length, t, target in graphs:
+        print(f"| {batch} | {next_n} | {heads} | {length} | {f(t)} | {target} |")
+    print(
+        "\nfp8_paged_mqa_logits, H200, D=128, block 64, seq lens in [0.7L, L], fp32 logits, eager:"
+    )
+    print(
+        "| B | next_n | H | L | floor us | ours us (auto) | ours us (best) | best variant | % floor (best) "
+        "| DeepGEMM us | target us |"
+    )
+    for batch, next_n, heads, length, floor, auto, best_t, best, dg, target in summary:
+        pct = f"{100 * floor / best_t:.0f}%" if best_t else "-"
+        print(
+            f"| {batch} | {next_n} | {heads} | {length} | {f(floor)} | {f(auto)} | {f(best_t)} | {best} | {pct} "
+            f"| {f(dg) if dg else 'unsupported'} | {target} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
