@@ -76,7 +76,9 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
     )
     failures = []
     results = build_all(tasks, TEMPLATE_ROOT, __version__, args.jobs, output)
-    for result in tqdm(results, total=len(tasks), unit="kernel", file=sys.stderr):
+    # Outside a terminal (CI logs) the bar redraws rarely instead of on every kernel.
+    refresh = 0.1 if sys.stderr.isatty() else 30.0
+    for result in tqdm(results, total=len(tasks), unit="kernel", file=sys.stderr, mininterval=refresh):
         row = stats[(result.task.group, result.task.arch)]
         row["kernels"] += 1
         row[result.status] += 1
