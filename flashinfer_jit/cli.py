@@ -40,7 +40,7 @@ def _tasks(ops: list[str], archs: tuple[str, ...], workload_file: str | None) ->
     if workload_file:
         data = json.loads(Path(workload_file).read_text())
         if data.get("op") not in OPS:
-            raise SystemExit(f"{workload_file}: needs an \"op\" key naming one of {sorted(OPS)}")
+            raise SystemExit(f'{workload_file}: needs an "op" key naming one of {sorted(OPS)}')
         override[data["op"]] = data
         ops = [data["op"]] if not ops else ops
     tasks = []
@@ -70,7 +70,9 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
     tasks = _tasks(ops, archs, args.workloads)
     output = Path(args.output).resolve() if args.output else None
     where = output or BUILDER.cache.root
-    print(f"prebuilding {len(tasks)} kernels for {', '.join(archs)} into {where} with {args.jobs} workers")
+    print(
+        f"prebuilding {len(tasks)} kernels for {', '.join(archs)} into {where} with {args.jobs} workers"
+    )
     stats: dict[tuple[str, str], dict] = defaultdict(
         lambda: {"kernels": 0, "compiled": 0, "cached": 0, "failed": 0, "seconds": 0.0}
     )
@@ -78,7 +80,9 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
     results = build_all(tasks, TEMPLATE_ROOT, __version__, args.jobs, output)
     # Outside a terminal (CI logs) the bar redraws rarely instead of on every kernel.
     refresh = 0.1 if sys.stderr.isatty() else 30.0
-    for result in tqdm(results, total=len(tasks), unit="kernel", file=sys.stderr, mininterval=refresh):
+    for result in tqdm(
+        results, total=len(tasks), unit="kernel", file=sys.stderr, mininterval=refresh
+    ):
         row = stats[(result.task.group, result.task.arch)]
         row["kernels"] += 1
         row[result.status] += 1
@@ -86,7 +90,10 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
         if result.status == "failed":
             failures.append(result)
     for failure in failures:
-        print(f"FAILED {failure.task.spec.label} {failure.task.arch}: {failure.error}", file=sys.stderr)
+        print(
+            f"FAILED {failure.task.spec.label} {failure.task.arch}: {failure.error}",
+            file=sys.stderr,
+        )
     rows = [
         [op, arch, s["kernels"], s["compiled"], s["cached"], s["failed"], f"{s['seconds']:.1f}"]
         for (op, arch), s in sorted(stats.items())
@@ -122,9 +129,16 @@ def cmd_cache(args: argparse.Namespace) -> int:
             problem = CubinCache.verify(entry) if args.action == "verify" else None
             bad += problem is not None
             meta = entry.meta
-            rows.append([kind, meta.get("arch", "?"), meta.get("label", entry.cubin_path.stem),
-                         meta.get("size", "?"), problem or "ok" if args.action == "verify" else meta.get("created", "?"),
-                         entry.cubin_path])
+            rows.append(
+                [
+                    kind,
+                    meta.get("arch", "?"),
+                    meta.get("label", entry.cubin_path.stem),
+                    meta.get("size", "?"),
+                    problem or "ok" if args.action == "verify" else meta.get("created", "?"),
+                    entry.cubin_path,
+                ]
+            )
     last = "status" if args.action == "verify" else "created"
     print(_table(["where", "arch", "kernel", "bytes", last, "path"], rows))
     print(f"{len(rows)} entries" + (f", {bad} bad" if args.action == "verify" else ""))
@@ -171,11 +185,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prebuild", help="compile the shipped workloads' kernels")
-    p.add_argument("--arch", help="comma-separated archs (default: the GPUs', else sm_90a,sm_100a,sm_103a)")
+    p.add_argument(
+        "--arch", help="comma-separated archs (default: the GPUs', else sm_90a,sm_100a,sm_103a)"
+    )
     p.add_argument("--ops", help=f"comma-separated ops among {','.join(OPS)} (default: all)")
-    p.add_argument("--workloads", help="a workload JSON file (with an \"op\" key) to use instead of the shipped one")
+    p.add_argument(
+        "--workloads",
+        help='a workload JSON file (with an "op" key) to use instead of the shipped one',
+    )
     p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
-    p.add_argument("--output", help="write a relocatable bundle here (for FLASHINFER_JIT_CUBIN_PATH)")
+    p.add_argument(
+        "--output", help="write a relocatable bundle here (for FLASHINFER_JIT_CUBIN_PATH)"
+    )
     p.set_defaults(func=cmd_prebuild)
 
     c = sub.add_parser("cache", help="inspect or clear the cubin cache")

@@ -9,8 +9,6 @@ and the composable torch path, which defines the semantics and serves everything
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from jit_kernels import (
@@ -20,6 +18,7 @@ from jit_kernels import (
     fall_back,
     kernels_disabled,
 )
+from jit_kernels.arch import capability
 
 from . import mla_kv_pack_cake as cake
 from . import mla_kv_pack_tuning as tuning
@@ -71,15 +70,21 @@ def _check_args(kv_nope, k_pe, key, value, nope_dim: int, backend: str) -> torch
     if not isinstance(kv_nope, torch.Tensor) or kv_nope.dim() != 3:
         raise ValueError("kv_nope must be a 3-D tensor [num_tokens, num_heads, nope_dim + v_dim]")
     if not kv_nope.dtype.is_floating_point or kv_nope.dtype == torch.float8_e4m3fn:
-        raise TypeError(f"kv_nope must be a floating tensor (bf16 for the fused paths), got {kv_nope.dtype}")
+        raise TypeError(
+            f"kv_nope must be a floating tensor (bf16 for the fused paths), got {kv_nope.dtype}"
+        )
     tokens, heads, width = kv_nope.shape
     if not 0 < nope_dim < width:
-        raise ValueError(f"nope_dim must be in (0, {width}) for kv_nope's last dim {width}, got {nope_dim}")
+        raise ValueError(
+            f"nope_dim must be in (0, {width}) for kv_nope's last dim {width}, got {nope_dim}"
+        )
     if not isinstance(k_pe, torch.Tensor) or k_pe.dim() not in (2, 3):
         raise ValueError("k_pe must be [num_tokens, rope_dim] or [num_tokens, 1, rope_dim]")
     if k_pe.dim() == 3:
         if k_pe.shape[1] != 1:
-            raise ValueError(f"a 3-D k_pe must be [num_tokens, 1, rope_dim], got {tuple(k_pe.shape)}")
+            raise ValueError(
+                f"a 3-D k_pe must be [num_tokens, 1, rope_dim], got {tuple(k_pe.shape)}"
+            )
         k_pe = k_pe[:, 0]
     if k_pe.shape[0] != tokens:
         raise ValueError(f"k_pe has {k_pe.shape[0]} tokens, kv_nope has {tokens}")
@@ -118,14 +123,9 @@ def _fused_refusal(kv_nope, k_pe, key, value) -> str | None:
     return None
 
 
-@functools.cache
-def _capability(device: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def _specialized_refusal(kv_nope, k_pe, key, value) -> str | None:
     """What the specialized kernel needs beyond the shared rules (None when it can serve)."""
-    if _capability(cuda_device_index(kv_nope)) < (9, 0):
+    if capability(cuda_device_index(kv_nope)) < (9, 0):
         return "compute capability below 9.0"
     if k_pe.stride(1) != 1 or k_pe.stride(0) % 8:
         return "k_pe rows are not unit-stride with a row stride that is a multiple of 8"
@@ -163,61 +163,139 @@ def _specialized_params(heads: int) -> tuple[int, int]:
     return (12, 6) if heads == 12 else (0, 4)
 
 
-def _launch_specialized(kv_nope, k_pe, key, value, heads_per_warp: int | None = None) -> None:
+class Plan:
+    """One fused launch with everything but the four tensors' addresses fixed: what the
+    fast path replays when a call repeats the shapes, strides, dtypes and device."""
+
+    __slots__ = ("kernel", "grid", "block", "device", "align_mask", "scalars", "cake")
+
+    def __init__(
+        self, kernel, grid, block, device: int, align: int, scalars: tuple, cake_layout: bool
+    ):
+        self.kernel, self.grid, self.block, self.device = kernel, grid, block, device
+        self.align_mask, self.scalars, self.cake = align - 1, scalars, cake_layout
+
+    def args(self, kv: int, pe: int, key: int, value: int) -> tuple:
+        """The kernel's arguments for these addresses."""
+        if self.cake:  # kv_nope {ptr; rows}, k_pe {ptr; T; LD}, key {ptr; rows}, value {ptr; rows}
+            rows, tokens, pe_stride, tail = self.scalars
+            return (kv, rows, pe, tokens, pe_stride, key, rows, value, rows, *tail)
+        return (kv, pe, key, value, *self.scalars)
+
+    def launch(self, kv: int, pe: int, key: int, value: int) -> bool:
+        """Launch on the current stream; False (nothing launched) if an address is misaligned."""
+        if (kv | pe | key | value) & self.align_mask:
+            return False
+        stream = current_stream(self.device)
+        self.kernel.launch(self.grid, self.block, stream, self.args(kv, pe, key, value))
+        return True
+
+
+def _plan_specialized(kv_nope, k_pe, heads_per_warp: int | None = None) -> Plan:
     tokens, heads, _ = kv_nope.shape
     device = cuda_device_index(kv_nope)
     kernel = _specialized.get(_specialized_params(heads), device)
     per_warp = plan_specialized(tokens, heads) if heads_per_warp is None else heads_per_warp
     grid = (-(-tokens // _WARPS_PER_BLOCK), -(-heads // per_warp), 1)
-    args = (
-        kv_nope.data_ptr(), k_pe.data_ptr(), key.data_ptr(), value.data_ptr(),
-        tokens, heads, per_warp, k_pe.stride(0),
+    return Plan(
+        kernel,
+        grid,
+        (32 * _WARPS_PER_BLOCK, 1, 1),
+        device,
+        16,
+        (tokens, heads, per_warp, k_pe.stride(0)),
+        False,
     )
-    kernel.launch(grid, (32 * _WARPS_PER_BLOCK, 1, 1), current_stream(device), args)
+
+
+def _plan_cake(kv_nope, k_pe, head_group: int | None = None) -> Plan:
+    tokens, heads, _ = kv_nope.shape
+    group = plan_cake(tokens, heads) if head_group is None else head_group
+    device = cuda_device_index(kv_nope)
+    kernel, grid, block, groups_per_token = cake.prepare(tokens, heads, group, device)
+    return Plan(
+        kernel,
+        grid,
+        block,
+        device,
+        cake.ALIGN,
+        (tokens * heads, tokens, k_pe.stride(0), (tokens, heads, groups_per_token)),
+        True,
+    )
+
+
+def _launch(plan: Plan, kv_nope, k_pe, key, value) -> None:
+    if not plan.launch(kv_nope.data_ptr(), k_pe.data_ptr(), key.data_ptr(), value.data_ptr()):
+        raise ValueError("a tensor is misaligned for the planned kernel")
+
+
+def _launch_specialized(kv_nope, k_pe, key, value, heads_per_warp: int | None = None) -> None:
+    _launch(_plan_specialized(kv_nope, k_pe, heads_per_warp), kv_nope, k_pe, key, value)
 
 
 def _launch_cake(kv_nope, k_pe, key, value, head_group: int | None = None) -> None:
-    group = plan_cake(*kv_nope.shape[:2]) if head_group is None else head_group
-    cake.launch(kv_nope, k_pe, key, value, head_group=group)
+    _launch(_plan_cake(kv_nope, k_pe, head_group), kv_nope, k_pe, key, value)
 
 
-# name -> (its own refusal, its launch)
+# name -> (its own refusal, its planner)
 _FUSED = {
-    "specialized": (_specialized_refusal, _launch_specialized),
-    "cake": (cake.refusal, _launch_cake),
+    "specialized": (_specialized_refusal, _plan_specialized),
+    "cake": (cake.refusal, _plan_cake),
 }
 
 
-def auto_order(tokens: int, heads: int) -> tuple[str, str]:
-    """The fused backends in the order ``auto`` tries them for ``tokens`` x ``heads``:
-    the one measured faster at the nearest tuned point (tools/bench_mla_kv_pack.py);
-    untuned, the fully unrolled specialized variant for 12 local heads, cake elsewhere."""
-    first = TUNED.get("auto", tokens, heads)
-    if first is None:
-        first = "specialized" if heads == 12 else "cake"
+# ``auto``'s policy, per compute capability, from kernel times (tools/bench_mla_kv_pack.py,
+# back-to-back calls in a CUDA graph; BENCHMARKS.md has the table).
+# sm_90 (H200, measured): the specialized kernel wins with one head at every token count
+# (its warp-per-token layout; 131072 x 1: 37.7 vs 44.3 µs) and for tiny calls of at most
+# 256 token-heads (1 x 128: 1.68 vs 1.85 µs); cake wins or ties (within 0.5 %) elsewhere.
+# sm_100/sm_103 (not measured here): the seed's rule from GB300/B200 numbers, the fully
+# unrolled specialized variant for 12 local heads and cake for every other head count.
+_SM90_SPECIALIZED_MAX_TOKEN_HEADS = 256
+
+
+def _auto_first(tokens: int, heads: int, cap: tuple[int, int]) -> str:
+    if cap == (9, 0):
+        small = tokens * heads <= _SM90_SPECIALIZED_MAX_TOKEN_HEADS
+        return "specialized" if heads == 1 or small else "cake"
+    return "specialized" if heads == 12 else "cake"
+
+
+def auto_order(tokens: int, heads: int, cap: tuple[int, int] = (9, 0)) -> tuple[str, str]:
+    """The fused backends in the order ``auto`` tries them on compute capability ``cap``."""
+    first = _auto_first(tokens, heads, cap)
     return ("specialized", "cake") if first == "specialized" else ("cake", "specialized")
 
 
-def _run_fused(backend: str, kv_nope, k_pe, key, value) -> bool:
-    """Serve the call with ``backend`` (``auto``: both, in the measured order).
+def _run_fused(backend: str, kv_nope, k_pe, key, value) -> Plan | bool | None:
+    """Serve the call with ``backend`` (``auto``: both, in the policy's order).
 
-    False, with the reasons reported through ``fall_back``, when none can serve.
+    Returns the plan that served it when the fast path may replay it (the first choice
+    served: a fallback to the second for this call's addresses must not stick), None
+    when the second served, and False, with the reasons reported through ``fall_back``,
+    when none can serve.
     """
     reason = _fused_refusal(kv_nope, k_pe, key, value)
     if reason is not None:
         fall_back(OP, f"{backend} backend: {reason}")
         return False
-    names = auto_order(kv_nope.shape[0], kv_nope.shape[1]) if backend == "auto" else (backend,)
+    tokens, heads = kv_nope.shape[0], kv_nope.shape[1]
+    if backend == "auto":
+        names = auto_order(tokens, heads, capability(cuda_device_index(kv_nope)))
+    else:
+        names = (backend,)
     reasons = []
-    for name in names:
-        refuse, launch = _FUSED[name]
+    for i, name in enumerate(names):
+        refuse, make_plan = _FUSED[name]
         why = refuse(kv_nope, k_pe, key, value)
         if why is None:
             try:
-                launch(kv_nope, k_pe, key, value)
-                return True
+                plan = make_plan(kv_nope, k_pe)
             except KernelUnavailable as exc:
                 why = str(exc)
+            else:
+                _launch(plan, kv_nope, k_pe, key, value)
+                return plan if i == 0 else None
         reasons.append(f"{name}: {why}")
     fall_back(OP, f"{backend} backend: {'; '.join(reasons)}")
     return False
@@ -231,19 +309,44 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
 
 
 # -- the op ------------------------------------------------------------------------------
-def _concat_impl(kv_nope, k_pe, key, value, nope_dim: int, backend: str) -> None:
+# The fast path: a call whose tensors repeat an earlier fused call's shapes, strides,
+# dtypes, device, nope_dim and backend replays that call's plan with new addresses,
+# skipping the argument checks and planning (a serving engine calls this every step).
+# Only the addresses' alignment is checked again; a miss takes the full path.
+_FAST: dict[tuple, Plan] = {}
+_FAST_MAX = 256
+
+
+def _signature(kv_nope, k_pe, key, value, nope_dim: int, backend: str) -> tuple:
+    return (
+        kv_nope.shape, kv_nope.stride(), kv_nope.dtype, kv_nope.get_device(),
+        k_pe.shape, k_pe.stride(), k_pe.dtype, k_pe.get_device(),
+        key.shape, key.stride(), key.dtype, key.get_device(),
+        value.shape, value.stride(), value.dtype, value.get_device(),
+        nope_dim, backend,
+    )  # fmt: skip
+
+
+def _concat_impl(kv_nope, k_pe, key, value, nope_dim: int, backend: str) -> Plan | None:
+    """Write key/value; return the fused plan the fast path may replay, if any."""
     if kv_nope.shape[0] == 0:
-        return
+        return None
     if not kernels_disabled() and nope_dim == NOPE and kv_nope.device.type == "cuda":
-        if _run_fused(backend, kv_nope, k_pe, key, value):
-            return
+        plan = _run_fused(backend, kv_nope, k_pe, key, value)
+        if plan is not False:
+            return plan
     _pack_torch(kv_nope, k_pe, key, value, nope_dim)
+    return None
 
 
 @torch.library.custom_op("flashinfer_jit::concat_mla_kv_quant_fp8", mutates_args=("key", "value"))
 def _concat_op(
-    kv_nope: torch.Tensor, k_pe: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    nope_dim: int, backend: str,
+    kv_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    nope_dim: int,
+    backend: str,
 ) -> None:
     _concat_impl(kv_nope, k_pe, key, value, nope_dim, backend)
 
@@ -267,14 +370,29 @@ def concat_mla_kv_quant_fp8(
     ``key``/``value`` given by the caller are written in place and returned; otherwise
     they are allocated. Results are bit-exact across backends and the torch path.
     """
-    k_pe = _check_args(kv_nope, k_pe, key, value, nope_dim, backend)
+    compiling = torch.compiler.is_compiling()
+    if key is not None and value is not None and not compiling:
+        plan = _FAST.get(_signature(kv_nope, k_pe, key, value, nope_dim, backend))
+        if plan is not None and not kernels_disabled():
+            if plan.launch(kv_nope.data_ptr(), k_pe.data_ptr(), key.data_ptr(), value.data_ptr()):
+                return key, value
+    pe2 = _check_args(kv_nope, k_pe, key, value, nope_dim, backend)
     tokens, heads, width = kv_nope.shape
     if key is None:
-        key = torch.empty(tokens, heads, nope_dim + k_pe.shape[1], dtype=torch.float8_e4m3fn, device=kv_nope.device)
+        key = torch.empty(
+            tokens, heads, nope_dim + pe2.shape[1], dtype=torch.float8_e4m3fn, device=kv_nope.device
+        )
     if value is None:
-        value = torch.empty(tokens, heads, width - nope_dim, dtype=torch.float8_e4m3fn, device=kv_nope.device)
-    if torch.compiler.is_compiling():
-        _concat_op(kv_nope, k_pe, key, value, nope_dim, backend)
-    else:  # eager calls skip the custom-op dispatcher's host cost
-        _concat_impl(kv_nope, k_pe, key, value, nope_dim, backend)
+        value = torch.empty(
+            tokens, heads, width - nope_dim, dtype=torch.float8_e4m3fn, device=kv_nope.device
+        )
+    if compiling:
+        _concat_op(kv_nope, pe2, key, value, nope_dim, backend)
+        return key, value
+    # Eager calls skip the custom-op dispatcher's host cost.
+    plan = _concat_impl(kv_nope, pe2, key, value, nope_dim, backend)
+    if plan is not None:
+        if len(_FAST) >= _FAST_MAX:
+            _FAST.clear()
+        _FAST[_signature(kv_nope, k_pe, key, value, nope_dim, backend)] = plan
     return key, value

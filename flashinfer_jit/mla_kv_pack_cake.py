@@ -8,11 +8,10 @@ the DSL, so a GPU host without it runs the cake backend from prebuilt cubins.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from jit_kernels import KernelSpec, current_stream
+from jit_kernels.arch import capability
 
 from ._jit import cuda_device_index, kernel_family
 
@@ -53,20 +52,27 @@ def plan_head_group(tokens: int, heads: int) -> int:
     return best
 
 
-@functools.cache
-def _capability(device: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-def refusal(kv_nope: torch.Tensor, k_pe: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
+def refusal(
+    kv_nope: torch.Tensor, k_pe: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> str | None:
     """What the cake programs need beyond the shared fused-path checks (None: servable)."""
-    if _capability(cuda_device_index(kv_nope)) not in CAPABILITIES:
-        return f"compute capability {_capability(cuda_device_index(kv_nope))} has no cake build"
+    cap = capability(cuda_device_index(kv_nope))
+    if cap not in CAPABILITIES:
+        return f"compute capability {cap} has no cake build"
     if k_pe.stride(1) != 1 or k_pe.stride(0) % PE_STRIDE_MULTIPLE:
         return f"k_pe rows must be unit-stride with a row stride that is a multiple of {PE_STRIDE_MULTIPLE}"
     if any(t.data_ptr() % ALIGN for t in (kv_nope, k_pe, key, value)):
         return f"a tensor is not {ALIGN}-byte aligned"
     return None
+
+
+def prepare(tokens: int, heads: int, head_group: int, device: int):
+    """The program for ``head_group`` on ``device`` and its launch shape:
+    (kernel, grid, block, groups_per_token)."""
+    kernel = _family.get((head_group,), device)
+    groups_per_token = -(-((heads + 1) // 2) // head_group)
+    grid = (-(-(tokens * groups_per_token) // WARPS_PER_BLOCK), 1, 1)
+    return kernel, grid, (32 * WARPS_PER_BLOCK, 1, 1), groups_per_token
 
 
 def launch(
@@ -80,20 +86,16 @@ def launch(
     tokens, heads, _ = kv_nope.shape
     group = plan_head_group(tokens, heads) if head_group is None else head_group
     device = cuda_device_index(kv_nope)
-    kernel = _family.get((group,), device)
-    pairs = (heads + 1) // 2
-    groups_per_token = -(-pairs // group)
+    kernel, grid, block, groups_per_token = prepare(tokens, heads, group, device)
     rows = tokens * heads
-    warps = tokens * groups_per_token
-    grid = (-(-warps // WARPS_PER_BLOCK), 1, 1)
     args = (
         kv_nope.data_ptr(), rows,
         k_pe.data_ptr(), tokens, k_pe.stride(0),
         key.data_ptr(), rows,
         value.data_ptr(), rows,
         tokens, heads, groups_per_token,
-    )
-    kernel.launch(grid, (32 * WARPS_PER_BLOCK, 1, 1), current_stream(device), args)
+    )  # fmt: skip
+    kernel.launch(grid, block, current_stream(device), args)
 
 
 def specs() -> list[KernelSpec]:

@@ -8,7 +8,9 @@ They live in the ``"tuned"`` block of ``workloads/mla_kv_pack_fp8_workloads.json
               "cake_head_group": [[G ...] ...], "specialized_heads_per_warp": [[n ...] ...]}
 
 ``tools/bench_mla_kv_pack.py`` measures every variant at every point and writes the
-block (``--write-tuned``). A call between measured points takes the nearest measured
+block (``--write-tuned``). The op plans from the two plan tables; its ``auto`` policy is
+a per-arch rule in ``mla_kv_pack.py`` derived from these measurements (the ``auto``
+table is the per-point record it was derived from, noise included at µs-sized points). A call between measured points takes the nearest measured
 point in log scale (heads, then tokens); without a block the heuristics in the backends
 decide. Every value is checked on load, so a bad file cannot pick an invalid program.
 """
@@ -96,7 +98,11 @@ def block_from_measurements(rows: list[dict], device: str) -> dict:
                 if v["backend"] not in best or v["us"] < best[v["backend"]]["us"]:
                     best[v["backend"]] = v
             cake, spec = best.get("cake"), best.get("specialized")
-            faster = "cake" if spec is None or (cake is not None and cake["us"] < spec["us"]) else "specialized"
+            faster = (
+                "cake"
+                if spec is None or (cake is not None and cake["us"] < spec["us"])
+                else "specialized"
+            )
             tables["auto"][-1].append(faster)
             tables["cake_head_group"][-1].append(cake["param"] if cake else 1)
             tables["specialized_heads_per_warp"][-1].append(spec["param"] if spec else max(1, h))

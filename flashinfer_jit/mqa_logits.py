@@ -10,6 +10,7 @@ kernels cannot serve) lives in ``mqa_logits_ref``.
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 
@@ -24,24 +25,29 @@ from jit_kernels import (
 
 from ._jit import cuda_device_index, kernel_family
 from .mqa_logits_checks import (
-    BLOCK_SIZES,
     CHECKED_MAX,
-    TILE,
     capability,
     check_args,
     check_dtypes,
     check_out,
     check_schedule,
     checked,
+    kernel_smem,
     launch_config,
     min_block_table_width,
     padded_seq_len,
+    ring_stages,
     signature,
     sm_count,
-    smem_bytes,
     validate_preconditions,
 )
+from .mqa_logits_generic import generic_plan, generic_specs
 from .mqa_logits_ref import paged_mqa_logits_torch
+from .mqa_logits_schedule import (
+    _SCHEDULE_THREADS,
+    _schedule_family,
+    compute_paged_mqa_logits_schedule,
+)
 
 __all__ = [
     "compute_paged_mqa_logits_schedule",
@@ -51,75 +57,6 @@ __all__ = [
 ]
 OP = "fp8_paged_mqa_logits"
 WORKLOADS = "mqa_logits_workloads.json"
-_SCHEDULE_THREADS = 256
-
-
-_schedule_family = kernel_family(
-    "mqa_logits_schedule",
-    "mqa_logits_util.cuh",
-    "fij_mqa::paged_mqa_schedule",
-    ("threads",),
-    ("P", "q", "i", "P"),
-)
-
-
-def compute_paged_mqa_logits_schedule(
-    seq_lens: torch.Tensor,
-    block_size: int = 64,
-    num_sms: int | None = None,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The CTA schedule ``fp8_paged_mqa_logits`` derives from ``seq_lens``: ``[num_sms+1, 2]``
-    int32, row c = (request, 64-token tile) where SM c's balanced share of the KV tiles
-    begins; row num_sms = (batch, 0). One small GPU kernel (graph-capturable).
-
-    ``block_size`` is accepted for API symmetry; the split is in 64-token tiles for every
-    block size. Reuse the result only while the contents of ``seq_lens`` are unchanged.
-    """
-    if (
-        not isinstance(seq_lens, torch.Tensor)
-        or seq_lens.dim() != 1
-        or seq_lens.dtype != torch.int32
-    ):
-        raise ValueError("seq_lens must be a 1-D int32 tensor [batch_size]")
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
-    on_cuda = seq_lens.device.type == "cuda"
-    if num_sms is None:
-        num_sms = sm_count(cuda_device_index(seq_lens)) if on_cuda else 1
-    if num_sms <= 0:
-        raise ValueError(f"num_sms must be positive, got {num_sms}")
-    if out is None:
-        out = torch.empty(num_sms + 1, 2, dtype=torch.int32, device=seq_lens.device)
-    elif out.shape != (num_sms + 1, 2) or out.dtype != torch.int32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous int32 tensor of shape {(num_sms + 1, 2)}")
-    if on_cuda and not kernels_disabled():
-        try:
-            device = cuda_device_index(seq_lens)
-            kernel = _schedule_family.get((_SCHEDULE_THREADS,), device)
-            args = (seq_lens.data_ptr(), seq_lens.stride(0), seq_lens.shape[0], out.data_ptr())
-            kernel.launch(
-                (num_sms + 1, 1, 1), (_SCHEDULE_THREADS, 1, 1), current_stream(device), args
-            )
-            return out
-        except KernelUnavailable as exc:
-            fall_back("compute_paged_mqa_logits_schedule", str(exc))
-    out.copy_(schedule_torch(seq_lens, num_sms))
-    return out
-
-
-def schedule_torch(seq_lens: torch.Tensor, num_sms: int) -> torch.Tensor:
-    """The schedule computed on the host (same rule as the kernel)."""
-    tiles = (seq_lens.to("cpu", torch.int64).clamp_min(0) + TILE - 1) // TILE
-    starts = torch.cumsum(tiles, 0) - tiles
-    total = int(tiles.sum())
-    rows = []
-    for c in range(num_sms + 1):
-        x = c * total // num_sms
-        hit = ((starts <= x) & (x < starts + tiles)).nonzero()
-        rows.append((int(hit[0]), x - int(starts[hit[0]])) if len(hit) else (len(tiles), 0))
-    return torch.tensor(rows, dtype=torch.int32)
 
 
 # -- the logits kernel family -------------------------------------------------------------
@@ -138,19 +75,28 @@ _logits_family = kernel_family(
         "warpgroups",
         "stages",
         "portable",
+        "ring",
     ),
     ("P", "P", "P", "P", "q", "P", "q", "P", "P", "q", "i"),
 )
 
-# (warpgroups, stages, portable) forced by tools/bench_mqa_logits.py to compare variants.
-_config_override: tuple[int, int, bool] | None = None
+# (warpgroups, stages, portable, ring) forced by tools/bench_mqa_logits.py and the tests to
+# compare variants; stages 0 means "as many as fit" for the ring kernel.
+_config_override: tuple[int, int, bool, bool] | None = None
+_force_generic = False  # tests and the benchmark: always use the generic kernel
 
 
 def _params(next_n: int, heads: int, dim: int, block_size: int, output_dtype, epi_dtype, acc_dtype):
     if _config_override is not None:
-        warpgroups, stages, portable = _config_override
+        warpgroups, stages, portable, ring = _config_override
+        if ring and stages == 0:
+            stages = ring_stages(next_n * heads, dim, warpgroups)
+        if ring and (stages < 1 or stages % warpgroups):
+            raise KernelUnavailable(
+                f"ring stages {stages} must be a positive multiple of {warpgroups}"
+            )
     else:
-        warpgroups, stages = launch_config(next_n * heads, dim)
+        warpgroups, stages, ring = launch_config(next_n * heads, dim)
         portable = False
     return (
         next_n,
@@ -163,6 +109,7 @@ def _params(next_n: int, heads: int, dim: int, block_size: int, output_dtype, ep
         warpgroups,
         stages,
         portable,
+        ring,
     )
 
 
@@ -175,6 +122,44 @@ def _kernel_refusal(q, kv_fused) -> str | None:
     if kv_fused.data_ptr() % 16 or q.data_ptr() % 16:
         return "kv_fused or q is not 16-byte aligned"
     return None
+
+
+# (geometry, dtypes, device, override) -> (kernel, grid, block, smem): a repeated call
+# skips choosing the variant and sizing the launch (host time is most of a small call).
+_plans: dict[tuple, tuple] = {}
+
+
+def _plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int) -> tuple:
+    """(kernel, grid, block, smem, extra args): the specialization, else the generic kernel."""
+    jit_off = os.environ.get("FLASHINFER_JIT_DISABLE") == "1"
+    key = (
+        geometry,
+        output_dtype,
+        epi_dtype,
+        acc_dtype,
+        device,
+        _config_override,
+        _force_generic,
+        jit_off,
+    )
+    plan = _plans.get(key)
+    if plan is None:
+        _, next_n, heads, dim, block_size = geometry
+        if _force_generic:
+            plan = generic_plan(geometry, output_dtype, epi_dtype, acc_dtype, device, "forced")
+        else:
+            params = _params(next_n, heads, dim, block_size, output_dtype, epi_dtype, acc_dtype)
+            try:
+                kernel = _logits_family.get(params, device)
+            except KernelUnavailable as exc:
+                plan = generic_plan(geometry, output_dtype, epi_dtype, acc_dtype, device, str(exc))
+            else:
+                warpgroups, stages, _, ring = params[7:]
+                smem = kernel_smem(next_n * heads, dim, warpgroups, stages, ring)
+                threads = 128 * warpgroups + (32 if ring else 0)  # the ring kernel's producer warp
+                plan = (kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, ())
+        _plans[key] = plan
+    return plan
 
 
 def _launch(
@@ -190,12 +175,8 @@ def _launch(
     acc_dtype,
     geometry,
 ) -> None:
-    batch, next_n, heads, dim, block_size = geometry
     device = cuda_device_index(q)
-    params = _params(next_n, heads, dim, block_size, output_dtype, epi_dtype, acc_dtype)
-    kernel = _logits_family.get(params, device)
-    warpgroups = params[7]
-    num_sms = sm_count(device)
+    kernel, grid, block, smem, extra = _plan(geometry, output_dtype, epi_dtype, acc_dtype, device)
     q = q if q.is_contiguous() else q.contiguous()
     weights = weights if weights.is_contiguous() else weights.contiguous()
     args = (
@@ -209,16 +190,16 @@ def _launch(
         0 if schedule is None else schedule.data_ptr(),
         out.data_ptr(),
         out.stride(0),
-        batch,
+        geometry[0],
+        *extra,
     )
-    smem = smem_bytes(next_n * heads, dim, warpgroups)
-    kernel.launch((num_sms, 1, 1), (128 * warpgroups, 1, 1), current_stream(device), args, smem)
+    kernel.launch(grid, block, current_stream(device), args, smem)
 
 
 def prebuild_specs(workloads: dict) -> list[KernelSpec]:
     """Every specialization the shipped workloads reach, plus the schedule kernel."""
     dtype = {"float32": torch.float32, "float16": torch.float16}
-    specs = {_schedule_family.spec((_SCHEDULE_THREADS,))}
+    specs = {_schedule_family.spec((_SCHEDULE_THREADS,)), *generic_specs()}
     for next_n, heads, dim, block, out_dt, epi_dt, acc_dt in itertools.product(
         workloads["next_n"],
         workloads["num_heads"],
@@ -228,7 +209,7 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
         workloads.get("epi_dtype", ["float32"]),
         workloads.get("acc_dtype", ["float32"]),
     ):
-        warpgroups, stages = launch_config(int(next_n) * int(heads), int(dim))
+        warpgroups, stages, ring = launch_config(int(next_n) * int(heads), int(dim))
         specs.add(
             _logits_family.spec(
                 (
@@ -242,6 +223,7 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
                     warpgroups,
                     stages,
                     False,
+                    ring,
                 )
             )
         )
@@ -418,4 +400,5 @@ def fp8_paged_mqa_logits(
             schedule_meta,
             out,
         )
-    return out[:rows, :max_seq_len]
+    # A view of the whole of `out` is `out` itself: skip the slicing (~2 us of host time).
+    return out if out.shape == (rows, max_seq_len) else out[:rows, :max_seq_len]

@@ -59,14 +59,33 @@ def capability(device: int) -> tuple[int, int]:
 
 
 def smem_bytes(n: int, dim: int, warpgroups: int) -> int:
-    return warpgroups * (n * dim + 4 * n)  # per warpgroup: Q (n x dim e4m3) + weights (n f32)
+    """Dynamic shared memory of the direct kernel: per warpgroup Q (n x dim e4m3) + weights."""
+    return warpgroups * (n * dim + 4 * n)
 
 
-def launch_config(n: int, dim: int) -> tuple[int, int] | None:
-    """(warpgroups, stages) for a geometry, or None when Q does not fit shared memory.
+RING_MAX_STAGES = 12
 
-    Two warpgroups per SM with 2-3 tiles of K loads in flight each keep ~32-48 KB of
-    reads outstanding per SM, which is what HBM needs; stages shrink as the
+
+def ring_smem_bytes(n: int, dim: int, warpgroups: int, stages: int) -> int:
+    """Dynamic shared memory of the ring kernel (RingLayout in templates/mqa_logits_ring.cuh):
+    stages of 64 tokens (values + fp32 scales), Q + weights per warpgroup, 32 B per stage of
+    tile descriptor and mbarriers."""
+    return stages * (TILE * dim + TILE * 4 + 32) + smem_bytes(n, dim, warpgroups)
+
+
+def ring_stages(n: int, dim: int, warpgroups: int) -> int:
+    """The most ring stages (capped at RING_MAX_STAGES) that fit next to Q, a multiple of
+    ``warpgroups``: consumers take tiles round-robin, and a stage must always return to the
+    same warpgroup, or a fast one could wait on a stage's parity one phase too early."""
+    free = SMEM_LIMIT - STATIC_SMEM - smem_bytes(n, dim, warpgroups)
+    stages = max(0, min(RING_MAX_STAGES, free // (TILE * dim + TILE * 4 + 32)))
+    return stages // warpgroups * warpgroups
+
+
+def direct_config(n: int, dim: int) -> tuple[int, int] | None:
+    """(warpgroups, stages) of the direct kernel, or None when Q does not fit shared memory.
+
+    Each warpgroup keeps 1-3 tiles of K loads in flight in registers; stages shrink as the
     accumulators (n/2 registers) and fragments (dim/8 registers a stage) grow.
     """
     if smem_bytes(n, dim, 1) + STATIC_SMEM > SMEM_LIMIT or n // 2 + dim // 8 > 224:
@@ -75,6 +94,27 @@ def launch_config(n: int, dim: int) -> tuple[int, int] | None:
     budget = 200 - n // 2  # registers left for K fragments below the 255 cap
     stages = max(1, min(3, budget // max(1, dim // 8)))
     return warpgroups, stages
+
+
+def launch_config(n: int, dim: int) -> tuple[int, int, bool] | None:
+    """(warpgroups, stages, ring) for a geometry, or None when it cannot run at all.
+
+    The ring kernel (a producer warp streaming 64-token tiles into a shared-memory ring,
+    two consumer warpgroups) is preferred whenever at least 4 stages fit beside Q: its
+    bytes in flight come from shared memory, not registers. Otherwise the direct kernel.
+    """
+    direct = direct_config(n, dim)
+    if direct is None:
+        return None
+    for warpgroups in (2, 1):
+        stages = ring_stages(n, dim, warpgroups)
+        if stages >= 4:
+            return warpgroups, stages, True
+    return (*direct, False)
+
+
+def kernel_smem(n: int, dim: int, warpgroups: int, stages: int, ring: bool) -> int:
+    return ring_smem_bytes(n, dim, warpgroups, stages) if ring else smem_bytes(n, dim, warpgroups)
 
 
 # -- argument checks -----------------------------------------------------------------

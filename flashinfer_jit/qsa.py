@@ -4,7 +4,7 @@
 
 over the cache tokens row r selects (see ``qsa_ref.resolve_entries`` for what is
 attended). Read top to bottom: argument checks, the kernels' applicability, the launches
-(slot pass -> decode, plus a merge for split-K), the dispatch gate, warm-up and prebuild.
+(slot pass -> decode; split-K merges inside the decode), the dispatch gate, warm-up and prebuild.
 The torch path (``qsa_ref``) defines the semantics and serves CPU tensors and every call
 the kernels cannot take.
 """
@@ -28,44 +28,86 @@ HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16
 CHUNK = 16  # tokens per warp step (kChunk in templates/qsa_decode.cuh)
 _SLOT_THREADS = 256  # kSlotThreads in templates/qsa_slots.cuh
-_MERGE_THREADS = 128  # kMergeThreads in templates/qsa_decode.cuh
+MAX_SPLITS = 64  # kMaxSplits in templates/qsa_decode.cuh
 _RED_PAD = 4  # kRedPad in templates/qsa_decode.cuh
 _LOG2E = 1.4426950408889634
 
-# (num_warps, num_stages) of the decode kernel per head dim: D * 32 bytes per warp stage.
-DECODE_CONFIG = {64: (4, 8), 128: (4, 4), 256: (4, 2)}
-# Single pass when rows * num_kv_heads reaches this (measured on the H200, see
-# tools/bench_qsa.py's crossover sweep); below it the selection is split across CTAs.
+# (num_warps, num_stages, min_ctas) of the decode kernel per head dim. A warp stage holds
+# one 16-token chunk of K and V (D * 32 bytes); min_ctas is the launch bound (CTAs per SM
+# the registers must allow; 4 CTAs of 4 warps moves Q to shared memory to fit 128
+# registers). D=128: 4 x 52 KB of shared memory, 16 warps per SM.
+DECODE_CONFIG = {64: (4, 8, 1), 128: (4, 3, 4), 256: (4, 2, 1)}
+# Single pass when rows * num_kv_heads reaches this; below it the selection is split across
+# CTAs. H200 crossover (tools/bench_qsa.py sweep, round 1, Hkv=4, G in 1..16): the single
+# pass matches the best split-K from rows*Hkv = 128-256 at topk 512-2048, while at topk
+# 8192 split-K still wins by ~6% at 1024. The gate sees rows*Hkv only, so 512.
 DECODE_MIN_PROGRAMS = 512
 # Split-K aims for this many CTAs per SM, each split keeping at least this many chunks.
 _SPLIT_CTAS_PER_SM = 4
 _MIN_CHUNKS_PER_SPLIT = 8
 
 _slots_family = kernel_family(
-    "qsa_slots", "qsa_slots.cuh", "fij_qsa::qsa_slots", ("page_size",),
-    ("P", "q", "q", "P", "q", "q", "P", "q", "P", "i", "i", "i", "i", "i", "i"),
+    "qsa_slots",
+    "qsa_slots.cuh",
+    "fij_qsa::qsa_slots",
+    ("page_size",),
+    ("P", "q", "q", "P", "q", "q", "P", "q", "P", "i", "i", "i", "i", "i", "i", "P", "i"),
 )
 _decode_family = kernel_family(
-    "qsa_decode", "qsa_decode.cuh", "fij_qsa::qsa_decode",
-    ("group_size", "head_dim", "num_warps", "num_stages"),
+    "qsa_decode",
+    "qsa_decode.cuh",
+    "fij_qsa::qsa_decode",
+    ("group_size", "head_dim", "num_warps", "num_stages", "min_ctas"),
     (
-        "P", "q", "q",  # q
-        "P", "q", "q", "q", "P", "q", "q", "q",  # k, v caches and their byte strides
-        "P", "i", "P", "q", "i", "i", "i",  # slots, counts, topk, offset bits, Hkv
-        "P", "q", "q", "P", "q", "q",  # out, gate
-        "f", "f", "P", "P", "i",  # scales, split-K workspace, splits
+        "P",
+        "q",
+        "q",  # q
+        "P",
+        "I",
+        "I",
+        "I",
+        "P",
+        "I",
+        "I",
+        "I",  # k, v caches and their byte strides (32-bit)
+        "P",
+        "i",
+        "P",
+        "q",
+        "i",
+        "i",
+        "i",  # slots, counts, topk, offset bits, Hkv
+        "P",
+        "q",
+        "q",
+        "P",
+        "q",
+        "q",  # out, gate
+        "f",
+        "f",
+        "P",
+        "P",
+        "P",
+        "i",  # scales, split-K workspace and counters, splits
     ),
-)
-_merge_family = kernel_family(
-    "qsa_merge", "qsa_decode.cuh", "fij_qsa::qsa_merge", ("group_size", "head_dim"),
-    ("P", "P", "i", "i", "P", "q", "q", "P", "q", "q", "f"),
 )
 
 
 # -- argument checks -----------------------------------------------------------------------
-def _check_args(q, k_cache, v_cache, logical_indices, block_table, token_to_req, out,
-                output_gate, softmax_scale, output_scale) -> None:
+def _check_args(
+    q,
+    k_cache,
+    v_cache,
+    logical_indices,
+    block_table,
+    token_to_req,
+    out,
+    output_gate,
+    softmax_scale,
+    output_scale,
+) -> None:
     """Raise a ValueError/TypeError naming the argument and the rule it breaks."""
+
     def tensor(name, value, dim, dtypes, what):
         if not isinstance(value, torch.Tensor) or value.dim() != dim:
             raise ValueError(f"{name} must be a {dim}-D tensor {what}")
@@ -79,8 +121,12 @@ def _check_args(q, k_cache, v_cache, logical_indices, block_table, token_to_req,
         tensor(name, t, 3, (torch.bfloat16,), "[rows, num_query_heads, head_dim]")
         if t.shape != q.shape:
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
-    tensor("k_cache", k_cache, 4, FP8_CACHE_DTYPES, "[num_blocks, page_size, num_kv_heads, head_dim]")
-    tensor("v_cache", v_cache, 4, FP8_CACHE_DTYPES, "[num_blocks, page_size, num_kv_heads, head_dim]")
+    tensor(
+        "k_cache", k_cache, 4, FP8_CACHE_DTYPES, "[num_blocks, page_size, num_kv_heads, head_dim]"
+    )
+    tensor(
+        "v_cache", v_cache, 4, FP8_CACHE_DTYPES, "[num_blocks, page_size, num_kv_heads, head_dim]"
+    )
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(
             f"v_cache must match k_cache's shape and dtype {tuple(k_cache.shape)}/{k_cache.dtype}, "
@@ -95,7 +141,13 @@ def _check_args(q, k_cache, v_cache, logical_indices, block_table, token_to_req,
         )
     if page_size < 1:
         raise ValueError("k_cache page_size (dim 1) must be at least 1")
-    tensor("logical_indices", logical_indices, 2, (torch.int32,), "[rows, TOPK + 1] (last column: valid count)")
+    tensor(
+        "logical_indices",
+        logical_indices,
+        2,
+        (torch.int32,),
+        "[rows, TOPK + 1] (last column: valid count)",
+    )
     if logical_indices.shape[0] != rows or logical_indices.shape[1] < 1:
         raise ValueError(
             f"logical_indices must be [rows={rows}, TOPK + 1], got {tuple(logical_indices.shape)}"
@@ -103,15 +155,29 @@ def _check_args(q, k_cache, v_cache, logical_indices, block_table, token_to_req,
     tensor("block_table", block_table, 2, (torch.int32,), "[num_requests, width]")
     tensor("token_to_req", token_to_req, 1, (torch.int32,), "[rows]")
     if token_to_req.shape[0] != rows:
-        raise ValueError(f"token_to_req must have {rows} entries (one per row), got {token_to_req.shape[0]}")
-    named = (("k_cache", k_cache), ("v_cache", v_cache), ("logical_indices", logical_indices),
-             ("block_table", block_table), ("token_to_req", token_to_req), ("out", out),
-             ("output_gate", output_gate))
+        raise ValueError(
+            f"token_to_req must have {rows} entries (one per row), got {token_to_req.shape[0]}"
+        )
+    named = (
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("logical_indices", logical_indices),
+        ("block_table", block_table),
+        ("token_to_req", token_to_req),
+        ("out", out),
+        ("output_gate", output_gate),
+    )
     for name, t in named:
         if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}: all tensors must share a device")
+            raise ValueError(
+                f"{name} is on {t.device}, q on {q.device}: all tensors must share a device"
+            )
     for name, value in (("softmax_scale", softmax_scale), ("output_scale", output_scale)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
             raise ValueError(f"{name} must be a finite real number, got {value!r}")
 
 
@@ -120,9 +186,10 @@ def _offset_bits(page_size: int) -> int:
     return max(1, (page_size - 1).bit_length())
 
 
-def _decode_smem_bytes(head_dim: int, num_warps: int, num_stages: int) -> int:
+def _decode_smem_bytes(head_dim: int, num_warps: int, num_stages: int, min_ctas: int) -> int:
     """DecodeSmem<...>::kBytes of templates/qsa_decode.cuh."""
-    q_bytes = (head_dim // 64) * 4 * 32 * 16 if head_dim > 128 else 0
+    q_in_smem = head_dim > 128 or num_warps * min_ctas >= 16
+    q_bytes = (head_dim // 64) * 4 * 32 * 16 if q_in_smem else 0
     stage = num_warps * num_stages * (head_dim // 16) * 32 * 16
     red = num_warps * 16 * (head_dim + _RED_PAD) * 4 + num_warps * 16 * 2 * 4
     return q_bytes + max(stage, red)
@@ -154,6 +221,8 @@ def _kernel_refusal(q, k_cache, v_cache, logical_indices, out, output_gate) -> s
         return "k_cache/v_cache token rows are not 16-byte aligned with a unit last stride"
     if not all(_rows_aligned(t, (0, 1)) for t in (q, out, output_gate)):
         return "q/out/output_gate head rows are not 16-byte aligned with a unit last stride"
+    if max(*k_cache.stride()[:3], *v_cache.stride()[:3]) >= 2**32:
+        return "a k_cache/v_cache stride of 2**32 bytes or more (the kernel keeps 32-bit strides)"
     if num_blocks << _offset_bits(page_size) >= 2**31:
         return f"{num_blocks} blocks x page {page_size} overflow the int32 slot encoding"
     if rows * num_kv_heads >= 2**31 or logical_indices.shape[1] - 1 >= 2**26:
@@ -161,7 +230,7 @@ def _kernel_refusal(q, k_cache, v_cache, logical_indices, out, output_gate) -> s
     return None
 
 
-def _decode_config(head_dim: int) -> tuple[int, int]:
+def _decode_config(head_dim: int) -> tuple[int, int, int]:
     return DECODE_CONFIG[head_dim]
 
 
@@ -175,13 +244,24 @@ def _pick_splits(rows: int, num_kv_heads: int, topk: int, device: int) -> int:
     base = max(1, rows * num_kv_heads)
     chunks = -(-topk // CHUNK)
     want = -(-_SPLIT_CTAS_PER_SM * _sm_count(device) // base)
-    return max(1, min(want, chunks // _MIN_CHUNKS_PER_SPLIT, 65535))
+    return max(1, min(want, chunks // _MIN_CHUNKS_PER_SPLIT, MAX_SPLITS))
 
 
 # -- the launches ----------------------------------------------------------------------------
-def _run_kernels(q, k_cache, v_cache, logical_indices, block_table, token_to_req, out,
-                 output_gate, softmax_scale, output_scale, num_splits: int,
-                 config: tuple[int, int] | None = None) -> None:
+def _run_kernels(
+    q,
+    k_cache,
+    v_cache,
+    logical_indices,
+    block_table,
+    token_to_req,
+    out,
+    output_gate,
+    softmax_scale,
+    output_scale,
+    num_splits: int,
+    config: tuple[int, int, int] | None = None,
+) -> None:
     rows, num_q_heads, head_dim = q.shape
     num_blocks, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -190,51 +270,90 @@ def _run_kernels(q, k_cache, v_cache, logical_indices, block_table, token_to_req
     device = cuda_device_index(q)
     stream = current_stream(device)
     slot_columns = -(-topk // CHUNK) * CHUNK
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    if slot_columns == 0:
+        num_splits = 1  # nothing to split; the slot pass (which zeroes the counters) is skipped
+    workspace = None
+    acc_ptr = ml_ptr = counters_ptr = 0
+    if num_splits > 1:
+        # One allocation: partial accumulators, (max, sum) pairs, completion counters.
+        parts = rows * num_q_heads * num_splits
+        workspace = torch.empty(
+            parts * (head_dim + 2) + rows * num_kv_heads, dtype=torch.float32, device=q.device
+        )
+        acc_ptr = workspace.data_ptr()
+        ml_ptr = acc_ptr + parts * head_dim * 4
+        counters_ptr = ml_ptr + parts * 2 * 4
     slots = torch.empty((rows, slot_columns), dtype=torch.int32, device=q.device)
     if slot_columns:
         _slots_family.get((page_size,), device).launch(
-            (rows, -(-slot_columns // _SLOT_THREADS), 1), (_SLOT_THREADS, 1, 1), stream,
+            (rows, -(-slot_columns // _SLOT_THREADS), 1),
+            (_SLOT_THREADS, 1, 1),
+            stream,
             (
-                logical_indices.data_ptr(), logical_indices.stride(0), logical_indices.stride(1),
-                block_table.data_ptr(), block_table.stride(0), block_table.stride(1),
-                token_to_req.data_ptr(), token_to_req.stride(0), slots.data_ptr(),
-                topk, slot_columns, block_table.shape[1], block_table.shape[0], num_blocks,
+                logical_indices.data_ptr(),
+                logical_indices.stride(0),
+                logical_indices.stride(1),
+                block_table.data_ptr(),
+                block_table.stride(0),
+                block_table.stride(1),
+                token_to_req.data_ptr(),
+                token_to_req.stride(0),
+                slots.data_ptr(),
+                topk,
+                slot_columns,
+                block_table.shape[1],
+                block_table.shape[0],
+                num_blocks,
                 offset_bits,
+                counters_ptr,
+                num_kv_heads,
             ),
         )
-    num_warps, num_stages = config or _decode_config(head_dim)
-    if num_splits > 1:
-        part_acc = torch.empty((rows * num_q_heads * num_splits, head_dim), dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((rows * num_q_heads * num_splits, 2), dtype=torch.float32, device=q.device)
-        acc_ptr, ml_ptr = part_acc.data_ptr(), part_ml.data_ptr()
-    else:
-        acc_ptr = ml_ptr = 0
+    config = config or _decode_config(head_dim)
     # Cache strides in bytes (an e4m3 element is one byte).
     k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]
     counts = logical_indices.data_ptr() + topk * logical_indices.stride(1) * 4
-    _decode_family.get((group, head_dim, num_warps, num_stages), device).launch(
-        (rows * num_kv_heads, num_splits, 1), (32 * num_warps, 1, 1), stream,
+    _decode_family.get((group, head_dim, *config), device).launch(
+        (rows * num_kv_heads, num_splits, 1),
+        (32 * config[0], 1, 1),
+        stream,
         (
-            q.data_ptr(), q.stride(0), q.stride(1),
-            k_cache.data_ptr(), k_strides[0], k_strides[1], k_strides[2],
-            v_cache.data_ptr(), v_strides[0], v_strides[1], v_strides[2],
-            slots.data_ptr(), slot_columns, counts, logical_indices.stride(0), topk, offset_bits,
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            k_cache.data_ptr(),
+            k_strides[0],
+            k_strides[1],
+            k_strides[2],
+            v_cache.data_ptr(),
+            v_strides[0],
+            v_strides[1],
+            v_strides[2],
+            slots.data_ptr(),
+            slot_columns,
+            counts,
+            logical_indices.stride(0),
+            topk,
+            offset_bits,
             num_kv_heads,
-            out.data_ptr(), out.stride(0), out.stride(1),
-            output_gate.data_ptr(), output_gate.stride(0), output_gate.stride(1),
-            softmax_scale * _LOG2E, output_scale, acc_ptr, ml_ptr, num_splits,
+            out.data_ptr(),
+            out.stride(0),
+            out.stride(1),
+            output_gate.data_ptr(),
+            output_gate.stride(0),
+            output_gate.stride(1),
+            softmax_scale * _LOG2E,
+            output_scale,
+            acc_ptr,
+            ml_ptr,
+            counters_ptr,
+            num_splits,
         ),
-        smem=_decode_smem_bytes(head_dim, num_warps, num_stages),
+        smem=_decode_smem_bytes(head_dim, *config),
     )
-    if num_splits > 1:
-        _merge_family.get((group, head_dim), device).launch(
-            (rows * num_kv_heads, 1, 1), (_MERGE_THREADS, 1, 1), stream,
-            (
-                acc_ptr, ml_ptr, num_splits, num_kv_heads,
-                out.data_ptr(), out.stride(0), out.stride(1),
-                output_gate.data_ptr(), output_gate.stride(0), output_gate.stride(1), output_scale,
-            ),
-        )
+    del workspace  # the caching allocator keeps it stream-ordered until the kernels ran
 
 
 def use_fp8_decode_kernel(base_programs: int, cache_dtype: torch.dtype) -> bool:
@@ -246,8 +365,19 @@ def use_fp8_decode_kernel(base_programs: int, cache_dtype: torch.dtype) -> bool:
     return cache_dtype in FP8_CACHE_DTYPES and base_programs >= DECODE_MIN_PROGRAMS
 
 
-def _impl(q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, output_gate,
-          softmax_scale: float, output_scale: float, dispatch: bool) -> None:
+def _impl(
+    q,
+    k_cache,
+    v_cache,
+    logical_indices,
+    block_table,
+    token_to_req,
+    out,
+    output_gate,
+    softmax_scale: float,
+    output_scale: float,
+    dispatch: bool,
+) -> None:
     if q.shape[0] == 0:
         return
     if not kernels_disabled() and q.device.type == "cuda":
@@ -256,32 +386,84 @@ def _impl(q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, 
             rows, num_kv_heads = q.shape[0], k_cache.shape[2]
             splits = 1
             if dispatch and not use_fp8_decode_kernel(rows * num_kv_heads, k_cache.dtype):
-                splits = _pick_splits(rows, num_kv_heads, logical_indices.shape[1] - 1,
-                                      cuda_device_index(q))
+                splits = _pick_splits(
+                    rows, num_kv_heads, logical_indices.shape[1] - 1, cuda_device_index(q)
+                )
             try:
-                _run_kernels(q, k_cache, v_cache, logical_indices, block_table, token_to_req,
-                             out, output_gate, float(softmax_scale), float(output_scale), splits)
+                _run_kernels(
+                    q,
+                    k_cache,
+                    v_cache,
+                    logical_indices,
+                    block_table,
+                    token_to_req,
+                    out,
+                    output_gate,
+                    float(softmax_scale),
+                    float(output_scale),
+                    splits,
+                )
                 return
             except KernelUnavailable as exc:
                 reason = str(exc)
         fall_back(OP, reason)
-    qsa_decode_torch(q, k_cache, v_cache, logical_indices, block_table, token_to_req, out,
-                     output_gate, softmax_scale, output_scale)
+    qsa_decode_torch(
+        q,
+        k_cache,
+        v_cache,
+        logical_indices,
+        block_table,
+        token_to_req,
+        out,
+        output_gate,
+        softmax_scale,
+        output_scale,
+    )
 
 
 @torch.library.custom_op("flashinfer_jit::qsa_sparse_paged_decode", mutates_args=("out",))
 def _qsa_op(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, logical_indices: torch.Tensor,
-    block_table: torch.Tensor, token_to_req: torch.Tensor, out: torch.Tensor,
-    output_gate: torch.Tensor, softmax_scale: float, output_scale: float, dispatch: bool,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    logical_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    token_to_req: torch.Tensor,
+    out: torch.Tensor,
+    output_gate: torch.Tensor,
+    softmax_scale: float,
+    output_scale: float,
+    dispatch: bool,
 ) -> None:
-    _impl(q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, output_gate,
-          softmax_scale, output_scale, dispatch)
+    _impl(
+        q,
+        k_cache,
+        v_cache,
+        logical_indices,
+        block_table,
+        token_to_req,
+        out,
+        output_gate,
+        softmax_scale,
+        output_scale,
+        dispatch,
+    )
 
 
 @_qsa_op.register_fake
-def _(q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, output_gate,
-      softmax_scale, output_scale, dispatch) -> None:
+def _(
+    q,
+    k_cache,
+    v_cache,
+    logical_indices,
+    block_table,
+    token_to_req,
+    out,
+    output_gate,
+    softmax_scale,
+    output_scale,
+    dispatch,
+) -> None:
     return None
 
 
@@ -295,9 +477,16 @@ def _call(args: tuple, dispatch: bool) -> torch.Tensor:
 
 
 def qsa_sparse_paged_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, logical_indices: torch.Tensor,
-    block_table: torch.Tensor, token_to_req: torch.Tensor, out: torch.Tensor,
-    output_gate: torch.Tensor, softmax_scale: float, output_scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    logical_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    token_to_req: torch.Tensor,
+    out: torch.Tensor,
+    output_gate: torch.Tensor,
+    softmax_scale: float,
+    output_scale: float,
 ) -> torch.Tensor:
     """Sparse GQA over an e4m3 paged cache, single pass: one CTA per (row, kv head).
 
@@ -307,32 +496,63 @@ def qsa_sparse_paged_decode(
     valid count; ``block_table`` is [num_requests, width] int32; ``token_to_req`` [rows].
     Writes ``out`` and returns it.
     """
-    args = (q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, output_gate,
-            softmax_scale, output_scale)
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        logical_indices,
+        block_table,
+        token_to_req,
+        out,
+        output_gate,
+        softmax_scale,
+        output_scale,
+    )
     return _call(args, dispatch=False)
 
 
 def qsa_sparse_paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, logical_indices: torch.Tensor,
-    block_table: torch.Tensor, token_to_req: torch.Tensor, out: torch.Tensor,
-    output_gate: torch.Tensor, softmax_scale: float, output_scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    logical_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    token_to_req: torch.Tensor,
+    out: torch.Tensor,
+    output_gate: torch.Tensor,
+    softmax_scale: float,
+    output_scale: float,
 ) -> torch.Tensor:
     """``qsa_sparse_paged_decode``'s contract; small batches split the selection across CTAs.
 
     ``use_fp8_decode_kernel(rows * Hkv, cache dtype)`` picks the single-pass kernel; below
-    the crossover the split-K kernel and a merge run instead.
+    the crossover the selection is split across CTAs and the last one of each (row, kv
+    head) merges the partials.
     """
-    args = (q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, output_gate,
-            softmax_scale, output_scale)
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        logical_indices,
+        block_table,
+        token_to_req,
+        out,
+        output_gate,
+        softmax_scale,
+        output_scale,
+    )
     return _call(args, dispatch=True)
 
 
 # -- warm-up and prebuild -----------------------------------------------------------------------
+# TOPK (the issue lists a "TOPK tile count" axis) is deliberately not a template parameter:
+# the decode loop runs to each row's own valid count and TOPK only sizes the slot buffer,
+# so specializing on it would multiply cubins (and warm-up work per selection width)
+# without changing a single instruction of the loop.
 def _specs_for(group: int, head_dim: int, page_size: int) -> list[KernelSpec]:
     return [
         _slots_family.spec((page_size,)),
         _decode_family.spec((group, head_dim, *_decode_config(head_dim))),
-        _merge_family.spec((group, head_dim)),
     ]
 
 
@@ -348,7 +568,9 @@ def warmup_qsa_fp8_decode(
     comes from each row's valid count.
     """
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4:
-        raise ValueError("kv_cache must be a 4-D tensor [num_blocks, num_kv_heads, page_size, 2 * head_dim]")
+        raise ValueError(
+            "kv_cache must be a 4-D tensor [num_blocks, num_kv_heads, page_size, 2 * head_dim]"
+        )
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
         raise ValueError("block_table must be a 2-D tensor [num_requests, width]")
     if selection_width < 0:
@@ -370,8 +592,9 @@ def warmup_qsa_fp8_decode(
     device = cuda_device_index(kv_cache)
     group = num_query_heads // num_kv_heads
     ready = []
-    for family, spec in zip((_slots_family, _decode_family, _merge_family),
-                            _specs_for(group, head_dim, page_size), strict=True):
+    for family, spec in zip(
+        (_slots_family, _decode_family), _specs_for(group, head_dim, page_size), strict=True
+    ):
         params = tuple(v for _, v in spec.params)
         family.get(params, device)
         ready.append((spec.family, params))

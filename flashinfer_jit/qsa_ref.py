@@ -89,7 +89,11 @@ def qsa_decode_torch(
         query = q[r0:r1].float().view(n, num_kv_heads, group, head_dim)
         scores = torch.einsum("nhgd,nthd->nhgt", query, keys) * softmax_scale
         scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-        top = scores.amax(dim=-1, keepdim=True) if topk else scores.new_zeros(n, num_kv_heads, group, 1)
+        top = (
+            scores.amax(dim=-1, keepdim=True)
+            if topk
+            else scores.new_zeros(n, num_kv_heads, group, 1)
+        )
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         probs = torch.exp(scores - top)  # masked entries: exp(-inf) = 0
         denom = probs.sum(dim=-1, keepdim=True)

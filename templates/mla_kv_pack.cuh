@@ -32,16 +32,22 @@ concat_mla_kv_quant_fp8(const fij::bf16_t* __restrict__ kv_nope, const fij::bf16
   const int first = blockIdx.y * heads_per_warp;
   const int last = min(first + heads_per_warp, heads);
 
-  uint2 pe = make_uint2(0, 0);
-  if (lane < kRope / 8) pe = fij::bf16x8_to_e4m3x8(fij::load_stream_16(k_pe + token * pe_row_stride + lane * 8));
-
   const long long row0 = token * heads;
   const fij::bf16_t* src = kv_nope + row0 * (kNope + kV) + lane * 8;
+  uint2 pe = make_uint2(0, 0);
+  bool pe_loaded = false;
   for (int h = first; h < last; h += UNROLL) {
     uint4 in[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
       if (h + u < last) in[u] = fij::load_stream_16(src + (long long)(h + u) * (kNope + kV));
+    // k_pe is loaded after the first rows, not before: converting it waits for its load,
+    // and a load ahead of the rows would put two memory round trips in series (what a
+    // decode-sized call, one pass per warp, pays in full).
+    if (!pe_loaded) {
+      if (lane < kRope / 8) pe = fij::bf16x8_to_e4m3x8(fij::load_stream_16(k_pe + token * pe_row_stride + lane * 8));
+      pe_loaded = true;
+    }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       if (h + u >= last) break;

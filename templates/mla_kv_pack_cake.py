@@ -8,10 +8,12 @@ kv_nope rows are 1 KiB, so each lane moves one 32-byte chunk of a pair: lanes 0-
 first head (0-7 k_nope, 8-15 v), lanes 16-31 the second. Every pair's loads are issued
 before any conversion or store, so ``head_group`` is also the number of 32-byte loads a
 lane keeps in flight; a larger group means fewer, longer-lived warps. The token's k_pe
-(4 chunks) is converted once and stored for every head by lanes 0-3 of each half.
+(4 chunks, loaded with the rows) is converted once and stored for every head by every
+lane of each half, four lanes a chunk.
 
-Heads past the end (odd head counts, a last group short of pairs) load a clamped, valid
-row and skip the store, so loads never need a predicate.
+Heads past the end (odd head counts, a last group short of pairs) load the last head's
+row and store its bytes again, so neither loads nor stores need a head predicate (a
+predicate would let the compiler sink loads behind other loads' conversions).
 
 The conversion is the DSL's bf16 -> Float8E4M3FN, which lowers to
 ``cvt.rn.satfinite.e4m3x2.f32``: round to nearest even, overflow and +-inf to +-448,
@@ -61,33 +63,40 @@ def _pack(
     if token < num_tokens:
         half = lane // 16  # which head of the pair
         sub = lane % 16  # which 32-byte chunk of that head's row
-        # Every lane loads a k_pe chunk (the warp touches 128 bytes once): no divergence.
-        pe_row = k_pe[token, None]
-        pe = cute.local_tile(pe_row, (CHUNK,), (sub % (ROPE // CHUNK),)).load()
-        # Conversions are staged lazily where first used; keeping the result in a
-        # register fragment materializes it here, once, outside the store branches.
-        pe8 = cute.make_rmem_tensor((CHUNK,), cutlass.Float8E4M3FN)
-        pe8.store(pe.to(cutlass.Float8E4M3FN))
         first = group * (2 * head_group) + half
         base = cutlass.Int64(token) * cutlass.Int64(num_heads)
+        # No load or conversion may sit inside a branch it alone feeds: the compiler would
+        # sink it there, behind another load's conversion, and put two memory round trips
+        # in series (all that a decode-sized call, one pass per warp, pays). So no store
+        # is skipped: a head past the end (odd head counts, a group padded past the last
+        # pair) loads the last head's row and rewrites it with the same bytes, and every
+        # lane of a half stores its k_pe chunk (lanes with equal addresses coalesce into
+        # the same sectors within the instruction, so this costs no extra traffic).
+        # The rows' loads come first and k_pe's last, so no load waits behind another
+        # load's conversion (for groups of 4 and 8, ptxas still defers a pair's loads to
+        # stay near 64 registers; those calls have many warps per SM to hide it). Every
+        # lane loads a k_pe chunk (the warp touches 128 bytes once): no divergence.
         rows = []
         for p in cutlass.range_constexpr(head_group):
-            head = cutlass.min(first + 2 * p, num_heads - 1)
-            rows.append(cute.local_tile(kv_nope[base + head, None], (CHUNK,), (sub,)).load())
-        for p in cutlass.range_constexpr(head_group):
-            head = first + 2 * p
-            if head < num_heads:
-                row = base + head
-                out = cute.make_rmem_tensor((CHUNK,), cutlass.Float8E4M3FN)
-                out.store(rows[p].to(cutlass.Float8E4M3FN))
-                if sub < NOPE // CHUNK:
-                    cute.local_tile(key[row, None], (CHUNK,), (sub,)).store(out.load())
-                    if sub < ROPE // CHUNK:
-                        pe_dst = cute.local_tile(key[row, None], (CHUNK,), (NOPE // CHUNK + sub,))
-                        pe_dst.store(pe8.load())
-                else:
-                    dst = cute.local_tile(value[row, None], (CHUNK,), (sub - NOPE // CHUNK,))
-                    dst.store(out.load())
+            row = base + cutlass.min(first + 2 * p, num_heads - 1)
+            rows.append((row, cute.local_tile(kv_nope[row, None], (CHUNK,), (sub,)).load()))
+        pe = cute.local_tile(k_pe[token, None], (CHUNK,), (sub % (ROPE // CHUNK),)).load()
+        # Conversions are staged lazily where first used; a register fragment materializes
+        # each one here, once, so both store branches can read it.
+        pe8 = cute.make_rmem_tensor((CHUNK,), cutlass.Float8E4M3FN)
+        pe8.store(pe.to(cutlass.Float8E4M3FN))
+        for row, data in rows:
+            out = cute.make_rmem_tensor((CHUNK,), cutlass.Float8E4M3FN)
+            out.store(data.to(cutlass.Float8E4M3FN))
+            cute.local_tile(
+                key[row, None], (CHUNK,), (NOPE // CHUNK + sub % (ROPE // CHUNK),)
+            ).store(pe8.load())
+            if sub < NOPE // CHUNK:
+                cute.local_tile(key[row, None], (CHUNK,), (sub,)).store(out.load())
+            else:
+                cute.local_tile(value[row, None], (CHUNK,), (sub - NOPE // CHUNK,)).store(
+                    out.load()
+                )
 
 
 @cute.jit
@@ -117,14 +126,18 @@ def build(params: dict, arch: str) -> tuple[bytes, str]:
     pe_stride = cute.sym_int64(divisibility=CHUNK, symbol="pe_row_stride")
     kv_nope = make_fake_tensor(cutlass.BFloat16, (rows, NOPE + V), (NOPE + V, 1), assumed_align=32)
     k_pe = make_fake_tensor(cutlass.BFloat16, (tokens, ROPE), (pe_stride, 1), assumed_align=32)
-    key = make_fake_tensor(cutlass.Float8E4M3FN, (rows, NOPE + ROPE), (NOPE + ROPE, 1), assumed_align=32)
+    key = make_fake_tensor(
+        cutlass.Float8E4M3FN, (rows, NOPE + ROPE), (NOPE + ROPE, 1), assumed_align=32
+    )
     value = make_fake_tensor(cutlass.Float8E4M3FN, (rows, V), (V, 1), assumed_align=32)
     scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1))
     with tempfile.TemporaryDirectory(prefix="fij-cute-") as dump:
         # --keep-cubin makes the DSL hand the cubin bytes back in `artifacts`; the
         # explicit arch matters: with no GPU the DSL would silently pick sm_100a.
         options = f"--gpu-arch {arch} --keep-cubin --dump-dir {dump}"
-        compiled = cute.compile(_host, kv_nope, k_pe, key, value, *scalars, head_group, options=options)
+        compiled = cute.compile(
+            _host, kv_nope, k_pe, key, value, *scalars, head_group, options=options
+        )
         cubin = compiled.artifacts.CUBIN
         if isinstance(cubin, str) and os.path.exists(cubin):
             with open(cubin, "rb") as f:

@@ -8,6 +8,11 @@ namespace fij_mqa {
 
 constexpr int kTile = 64;  // KV tokens per warpgroup tile (the wgmma M); the schedule unit
 
+// Registers per thread for a block of `threads`: __launch_bounds__ would round the
+// block up to whole warpgroups (288 threads -> 384 -> 168 registers) and make the ring
+// kernel's 2 consumer warpgroups spill at N = 256; the hardware allocates per warp.
+constexpr int reg_cap(int threads) { return 65536 / threads / 8 * 8 > 255 ? 255 : 65536 / threads / 8 * 8; }
+
 template <typename A, typename B>
 struct same_type { static constexpr bool value = false; };
 template <typename A>
@@ -146,6 +151,34 @@ __device__ void locate_tile(const int* seq_lens, long long stride, int batch, in
 
 __device__ __forceinline__ int split_point(int c, int ctas, int total) {
   return (int)((long long)c * total / ctas);
+}
+
+// This CTA's run of tiles into sched[0..2] = (request, tile, count): from the caller's
+// schedule or derived here from seq_lens (the same split as paged_mqa_schedule). The
+// caller synchronizes the block before reading sched.
+template <int THREADS>
+__device__ __forceinline__ void cta_tiles(const int* __restrict__ schedule, const int* __restrict__ seq_lens,
+                                          long long sl_stride, int batch, int* red, int* sched) {
+  const int lane = threadIdx.x & 31;
+  if (schedule == nullptr) {
+    const int total = total_tiles<THREADS>(seq_lens, sl_stride, batch, red);
+    const int x0 = split_point(blockIdx.x, gridDim.x, total);
+    locate_tile<THREADS>(seq_lens, sl_stride, batch, x0, red, sched);
+    if (threadIdx.x == 0) sched[2] = split_point(blockIdx.x + 1, gridDim.x, total) - x0;
+  } else if (threadIdx.x < 32) {
+    // A stale schedule may be inconsistent: everything below stays within the batch
+    // and counts tiles, so it can produce wrong logits but cannot hang.
+    const int b0 = schedule[2 * blockIdx.x], t0 = schedule[2 * blockIdx.x + 1];
+    const int b1 = min(schedule[2 * blockIdx.x + 2], batch), t1 = schedule[2 * blockIdx.x + 3];
+    int sum = 0;
+    for (int b = max(b0, 0) + lane; b < b1; b += 32) sum += tiles_of(seq_lens[b * sl_stride]);
+    sum = warp_sum(sum);
+    if (lane == 0) {
+      sched[0] = max(b0, 0);
+      sched[1] = t0;
+      sched[2] = max(0, sum - t0 + (b1 < batch ? t1 : 0));
+    }
+  }
 }
 
 // One CTA per schedule entry: grid = num_sms + 1.

@@ -6,10 +6,13 @@
 // flight, no block-wide barrier in the loop) and its own online softmax, and the warps'
 // (max, sum, acc) are merged through shared memory at the end. With one split the CTA
 // writes the gated bf16 output; with several it writes its unnormalized partial to a
-// workspace that qsa_merge combines.
+// workspace, and the last split CTA of the (row, kv head) to finish (an atomic counter)
+// merges the partials and writes the output: no second kernel.
 //
 // Tensor cores, m16n8k16 (rows = the group's query heads, zero-padded to 16):
-//   S = Q K^T in bf16 (e4m3 -> bf16 is exact), P V in fp16 (e4m3 -> fp16 is exact).
+//   S = Q K^T and P V in fp16 (e4m3 -> fp16 is exact; q is scaled per head so bf16 -> fp16
+//   is exact too, see the Q fragment comment). P is rounded to fp16 (2^-11 relative): about
+//   2e-4 of norm-wise error, a tenth of what the bf16 output rounding itself costs.
 // The fragments are arranged so every thread gathers whole 16-byte (D=64: 8-byte) pieces
 // of token rows and never needs a byte-wise shared-memory access:
 //   * QK: the dot product's dim order is free, so quad lane t of the B fragment for token
@@ -20,7 +23,9 @@
 //     tokens its score fragment covers) and transposes 4x4 byte blocks with prmt, so n8
 //     tile i, column g is dim (D/8)g + i. Thread (g, t) then accumulates the contiguous
 //     dims [(D/4)t, (D/4)(t+1)) of heads g and g+8.
-// Byte offsets into the cache are 64-bit (a layer's pool can pass 2**31 bytes).
+// Byte offsets into the cache are 64-bit (a layer's pool can pass 2**31 bytes); the cache
+// strides themselves are 32-bit (the host checks), which keeps a token's address at two
+// 32x32->64 multiply-adds.
 #pragma once
 #include "common.cuh"
 
@@ -29,7 +34,7 @@ namespace fij_qsa {
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kChunk = 16;     // tokens per warp step: one k16 step of P V
 constexpr int kRedPad = 4;     // floats padding each row of the cross-warp reduction
-constexpr int kMergeThreads = 128;
+constexpr int kMaxSplits = 64;  // split-K merge bookkeeping fits the smallest smem layout
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
   unsigned a;
@@ -64,13 +69,26 @@ __device__ __forceinline__ void e4m3x4_to_f16x2x2(unsigned w, unsigned& lo, unsi
       : "=r"(lo), "=r"(hi) : "r"(w));
 }
 
-// An f16x2 word holding e4m3 values as bf16x2, exactly (via f32).
-__device__ __forceinline__ unsigned f16x2_to_bf16x2(unsigned h) {
-  float lo, hi;
-  asm("{ .reg .f16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b; }"
-      : "=f"(lo), "=f"(hi) : "r"(h));
+// max(|lo|, |hi|) of a bf16x2 word, as a float.
+__device__ __forceinline__ float bf16x2_absmax(unsigned w) {
+  return fmaxf(fabsf(fij::bf16_lo(w)), fabsf(fij::bf16_hi(w)));
+}
+
+// 2^e as a float, for |e| <= 126.
+__device__ __forceinline__ float pow2(int e) { return __int_as_float((e + 127) << 23); }
+
+// The exponent e with amax * 2^e in [2^14, 2^15), clamped to [-100, 100] (amax = 0 or
+// tiny: any scale is exact; inf/NaN q is garbage in either way).
+__device__ __forceinline__ int q_scale_exponent(float amax) {
+  const int biased = (__float_as_int(amax) >> 23) & 0xff;
+  return min(max(141 - biased, -100), 100);
+}
+
+// A bf16x2 word times 2^e (exact) rounded to f16x2 (exact in the range q_scale_exponent
+// picks, see the Q fragment comment).
+__device__ __forceinline__ unsigned bf16x2_to_f16x2(unsigned w, float up) {
   unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(fij::bf16_hi(w) * up), "f"(fij::bf16_lo(w) * up));
   return r;
 }
 
@@ -90,12 +108,6 @@ __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
   unsigned r;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
   return r;
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint4& a, unsigned b0, unsigned b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ void mma_f16(float (&c)[4], const uint4& a, unsigned b0, unsigned b1) {
@@ -127,27 +139,34 @@ __device__ __forceinline__ void store_gated(fij::bf16_t* out, const fij::bf16_t*
   *reinterpret_cast<uint4*>(out) = res;
 }
 
-// Shared memory bytes of qsa_decode<..., HEAD_DIM, NUM_WARPS, NUM_STAGES> (the host
-// computes the same: flashinfer_jit/qsa.py, _decode_smem_bytes).
-template <int HEAD_DIM, int NUM_WARPS, int NUM_STAGES>
+// Q's fragments live in shared memory for D=256 (registers go to the accumulator) and when
+// the launch bound asks for 16+ warps per SM (128 registers a thread: Q's 32 must go).
+constexpr bool q_in_smem(int head_dim, int num_warps, int min_ctas) {
+  return head_dim > 128 || num_warps * min_ctas >= 16;
+}
+
+// Shared memory bytes of qsa_decode<..., HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS> (the
+// host computes the same: flashinfer_jit/qsa.py, _decode_smem_bytes).
+template <int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS>
 struct DecodeSmem {
-  static constexpr int kQBytes = HEAD_DIM > 128 ? (HEAD_DIM / 64) * 4 * 32 * 16 : 0;
+  static constexpr int kQBytes = q_in_smem(HEAD_DIM, NUM_WARPS, MIN_CTAS) ? (HEAD_DIM / 64) * 4 * 32 * 16 : 0;
   static constexpr int kStageBytes = NUM_WARPS * NUM_STAGES * (HEAD_DIM / 16) * 32 * 16;
   static constexpr int kRedBytes = NUM_WARPS * 16 * (HEAD_DIM + kRedPad) * 4 + NUM_WARPS * 16 * 2 * 4;
   static constexpr int kBytes = kQBytes + (kStageBytes > kRedBytes ? kStageBytes : kRedBytes);
 };
 
-template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES>
-__global__ void __launch_bounds__(NUM_WARPS * 32)
+// MIN_CTAS: the CTAs per SM the register allocation must allow (launch bound; 1 = none).
+template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS>
+__global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS)
 qsa_decode(const fij::bf16_t* __restrict__ q, long long q_row, long long q_head,
-           const unsigned char* __restrict__ k_cache, long long k_block, long long k_token, long long k_head,
-           const unsigned char* __restrict__ v_cache, long long v_block, long long v_token, long long v_head,
+           const unsigned char* __restrict__ k_cache, unsigned k_block, unsigned k_token, unsigned k_head,
+           const unsigned char* __restrict__ v_cache, unsigned v_block, unsigned v_token, unsigned v_head,
            const int* __restrict__ slots, int slot_columns, const int* __restrict__ counts,
            long long count_row_stride, int topk, int offset_bits, int num_kv_heads,
            fij::bf16_t* __restrict__ out, long long out_row, long long out_head,
            const fij::bf16_t* __restrict__ gate, long long gate_row, long long gate_head,
            float score_scale_log2, float output_scale, float* __restrict__ part_acc,
-           float* __restrict__ part_ml, int num_splits) {
+           float* __restrict__ part_ml, unsigned* __restrict__ counters, int num_splits) {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head dim");
   static_assert(GROUP >= 1 && GROUP <= 16, "group size");
   static_assert(NUM_STAGES >= 2 && NUM_STAGES <= 8, "stages (validity ring holds 8)");
@@ -157,11 +176,12 @@ qsa_decode(const fij::bf16_t* __restrict__ q, long long q_row, long long q_head,
   constexpr int VG = HEAD_DIM / 128;      // V 16-B pieces per token per thread (D >= 128)
   constexpr int NT = HEAD_DIM / 8;        // n8 tiles of the output
   constexpr int STAGE_U4 = HEAD_DIM / 16; // uint4s per thread per stage
-  constexpr bool Q_SMEM = HEAD_DIM > 128; // D=256 keeps Q in shared memory: registers go to acc
+  constexpr bool Q_SMEM = q_in_smem(HEAD_DIM, NUM_WARPS, MIN_CTAS);
   constexpr int Q_U4 = Q_SMEM ? NG * 4 * 32 : 0;
   constexpr int RR = HEAD_DIM + kRedPad;
-  using Smem = DecodeSmem<HEAD_DIM, NUM_WARPS, NUM_STAGES>;
+  using Smem = DecodeSmem<HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS>;
   static_assert(Smem::kQBytes == Q_U4 * 16, "smem layout");
+  static_assert(Smem::kBytes - Smem::kQBytes >= (2 * kMaxSplits * 16 + 16) * 4, "split-K merge smem");
 
   extern __shared__ uint4 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -177,27 +197,52 @@ qsa_decode(const fij::bf16_t* __restrict__ q, long long q_row, long long q_head,
   const int c_end = min(chunks, c_begin + per_split);
 
   // ---- Q fragments (rows g, g+8 of the group; padding rows are zero) -------------------
+  // QK runs in fp16 so K needs one cvt per two e4m3 bytes. Each head's q is scaled by a
+  // power of two that puts its largest |q| in [2^14, 2^15): bf16 -> fp16 is then exact for
+  // every component above 2^-28 of that maximum (below it, fp16 subnormals keep 2^-38 of
+  // it, far under fp32 accumulation error), and products with |k| <= 448 cannot overflow.
+  // The scale is undone in the per-row score factor.
   uint4 qreg[Q_SMEM ? 1 : NG][4];
+  float row_scale0, row_scale1;  // score_scale_log2 / (q scale) of rows g and g + 8
   {
     const long long head0 = (long long)row * q_row + (long long)(kvh * GROUP) * q_head;
+    uint4 r0[NG][2], r1[NG][2];
+    float amax0 = 0.f, amax1 = 0.f;
 #pragma unroll
     for (int G = 0; G < NG; ++G) {
-      uint4 r0[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-      uint4 r1[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+      r0[G][0] = r0[G][1] = r1[G][0] = r1[G][1] = make_uint4(0, 0, 0, 0);
       if (g < GROUP) {
         const uint4* p = reinterpret_cast<const uint4*>(q + head0 + g * q_head + 64 * G + 16 * t);
-        r0[0] = __ldg(p);
-        r0[1] = __ldg(p + 1);
+        r0[G][0] = __ldg(p);
+        r0[G][1] = __ldg(p + 1);
       }
       if (g + 8 < GROUP) {
         const uint4* p = reinterpret_cast<const uint4*>(q + head0 + (g + 8) * q_head + 64 * G + 16 * t);
-        r1[0] = __ldg(p);
-        r1[1] = __ldg(p + 1);
+        r1[G][0] = __ldg(p);
+        r1[G][1] = __ldg(p + 1);
       }
 #pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        amax0 = fmaxf(amax0, bf16x2_absmax(word_of(r0[G][u / 4], u % 4)));
+        amax1 = fmaxf(amax1, bf16x2_absmax(word_of(r1[G][u / 4], u % 4)));
+      }
+    }
+    amax0 = fmaxf(amax0, __shfl_xor_sync(kFull, amax0, 1));
+    amax0 = fmaxf(amax0, __shfl_xor_sync(kFull, amax0, 2));
+    amax1 = fmaxf(amax1, __shfl_xor_sync(kFull, amax1, 1));
+    amax1 = fmaxf(amax1, __shfl_xor_sync(kFull, amax1, 2));
+    const int e0 = q_scale_exponent(amax0), e1 = q_scale_exponent(amax1);
+    const float up0 = pow2(e0), up1 = pow2(e1);
+    row_scale0 = score_scale_log2 * pow2(-e0);
+    row_scale1 = score_scale_log2 * pow2(-e1);
+#pragma unroll
+    for (int G = 0; G < NG; ++G) {
+#pragma unroll
       for (int u = 0; u < 4; ++u) {
-        const uint4 f = make_uint4(word_of(r0[u / 2], 2 * (u % 2)), word_of(r1[u / 2], 2 * (u % 2)),
-                                   word_of(r0[u / 2], 2 * (u % 2) + 1), word_of(r1[u / 2], 2 * (u % 2) + 1));
+        const uint4 f = make_uint4(bf16x2_to_f16x2(word_of(r0[G][u / 2], 2 * (u % 2)), up0),
+                                   bf16x2_to_f16x2(word_of(r1[G][u / 2], 2 * (u % 2)), up1),
+                                   bf16x2_to_f16x2(word_of(r0[G][u / 2], 2 * (u % 2) + 1), up0),
+                                   bf16x2_to_f16x2(word_of(r1[G][u / 2], 2 * (u % 2) + 1), up1));
         if constexpr (Q_SMEM) {
           if (warp == 0) smem[(G * 4 + u) * 32 + lane] = f;
         } else {
@@ -213,9 +258,9 @@ qsa_decode(const fij::bf16_t* __restrict__ q, long long q_row, long long q_head,
   const int first = c_begin + warp;
   const int my_n = c_end > first ? (c_end - first + NUM_WARPS - 1) / NUM_WARPS : 0;
   const int* const srow = slots + (long long)row * slot_columns;
-  const unsigned char* const kbase = k_cache + kvh * k_head + 16 * t;
-  const unsigned char* const vbase = v_cache + kvh * v_head + (HEAD_DIM / 8) * g;
-  const int offset_mask = (1 << offset_bits) - 1;
+  const unsigned char* const kbase = k_cache + (unsigned long long)kvh * k_head + 16 * t;
+  const unsigned char* const vbase = v_cache + (unsigned long long)kvh * v_head + (HEAD_DIM / 8) * g;
+  const unsigned offset_mask = (1u << offset_bits) - 1u;
 
   struct ChunkSlots { int k0, k1, v0, v1, v2, v3; };
   auto load_slots = [&](int k) {
@@ -224,8 +269,14 @@ qsa_decode(const fij::bf16_t* __restrict__ q, long long q_row, long long q_head,
     const int2 b = __ldg(reinterpret_cast<const int2*>(p + 8 + 2 * t));
     return ChunkSlots{__ldg(p + g), __ldg(p + 8 + g), a.x, a.y, b.x, b.y};
   };
-  auto token_offset = [&](int slot, long long blk, long long tok) -> long long {
-    return (long long)(slot >> offset_bits) * blk + (long long)(slot & offset_mask) * tok;
+  // A token's address: the host guarantees 32-bit strides, so two 32x32->64-bit
+  // multiply-adds; a masked slot (-1) reads as slot 0, a valid address the zero-byte copy
+  // never touches (no branch per token).
+  auto token_ptr = [&](const unsigned char* base, int slot, unsigned blk, unsigned tok) {
+    const unsigned s = (unsigned)max(slot, 0);
+    const unsigned long long off =
+        (unsigned long long)(s >> offset_bits) * blk + (unsigned long long)(s & offset_mask) * tok;
+    return base + off;
   };
   // Issue chunk k's copies into its stage; returns its 4 V-token validity bits.
   auto issue = [&](int k, const ChunkSlots& s) -> unsigned {
@@ -234,7 +285,7 @@ qsa_decode(const fij::bf16_t* __restrict__ q, long long q_row, long long q_head,
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const bool ok = ks[j] >= 0;
-      const unsigned char* src = ok ? kbase + token_offset(ks[j], k_block, k_token) : k_cache;
+      const unsigned char* src = token_ptr(kbase, ks[j], k_block, k_token);
 #pragma unroll
       for (int G = 0; G < NG; ++G) cp_async16(st + ((j * NG + G) * 32 + lane) * 16, src + 64 * G, ok);
     }
@@ -245,7 +296,7 @@ qsa_decode(const fij::bf16_t* __restrict__ q, long long q_row, long long q_head,
     for (int tau = 0; tau < 4; ++tau) {
       const bool ok = vs[tau] >= 0;
       bits |= ok ? 1u << tau : 0u;
-      const unsigned char* src = ok ? vbase + token_offset(vs[tau], v_block, v_token) : v_cache;
+      const unsigned char* src = token_ptr(vbase, vs[tau], v_block, v_token);
       if constexpr (HEAD_DIM == 64) {
         cp_async8(vst + (tau * 32 + lane) * 8, src, ok);
       } else {
@@ -301,7 +352,7 @@ qsa_decode(const fij::bf16_t* __restrict__ q, long long q_row, long long q_head,
           uint4 a;
           if constexpr (Q_SMEM) a = smem[(G * 4 + u) * 32 + lane];
           else a = qreg[G][u];
-          mma_bf16(s[j], a, f16x2_to_bf16x2(lo), f16x2_to_bf16x2(hi));
+          mma_f16(s[j], a, lo, hi);
         }
       }
     }
@@ -311,10 +362,10 @@ qsa_decode(const fij::bf16_t* __restrict__ q, long long q_row, long long q_head,
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const bool ok0 = (bits >> (2 * j)) & 1u, ok1 = (bits >> (2 * j + 1)) & 1u;
-      x[j][0] = ok0 ? s[j][0] * score_scale_log2 : neg_inf;
-      x[j][1] = ok1 ? s[j][1] * score_scale_log2 : neg_inf;
-      x[j][2] = ok0 ? s[j][2] * score_scale_log2 : neg_inf;
-      x[j][3] = ok1 ? s[j][3] * score_scale_log2 : neg_inf;
+      x[j][0] = ok0 ? s[j][0] * row_scale0 : neg_inf;
+      x[j][1] = ok1 ? s[j][1] * row_scale0 : neg_inf;
+      x[j][2] = ok0 ? s[j][2] * row_scale1 : neg_inf;
+      x[j][3] = ok1 ? s[j][3] * row_scale1 : neg_inf;
     }
     float mx0 = fmaxf(fmaxf(x[0][0], x[0][1]), fmaxf(x[1][0], x[1][1]));
     float mx1 = fmaxf(fmaxf(x[0][2], x[0][3]), fmaxf(x[1][2], x[1][3]));
@@ -435,38 +486,58 @@ qsa_decode(const fij::bf16_t* __restrict__ q, long long q_row, long long q_head,
       }
     }
   }
-}
+  if (num_splits == 1) return;
 
-// Split-K merge: combine a (row, kv head)'s split partials and write the gated output.
-// grid = rows * num_kv_heads, block = kMergeThreads.
-template <int GROUP, int HEAD_DIM>
-__global__ void __launch_bounds__(kMergeThreads)
-qsa_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml, int num_splits,
-          int num_kv_heads, fij::bf16_t* __restrict__ out, long long out_row, long long out_head,
-          const fij::bf16_t* __restrict__ gate, long long gate_row, long long gate_head, float output_scale) {
-  constexpr int PIECES = HEAD_DIM / 8;
-  const int row = blockIdx.x / num_kv_heads;
-  const int kvh = blockIdx.x - row * num_kv_heads;
-  const float neg_inf = __int_as_float(0xff800000);
+  // ---- split-K: the last CTA of this (row, kv head) to finish merges all the splits ------
+  // counters[blockIdx.x] is zeroed by the slot pass of the same call (stream-ordered, so
+  // graph replays and concurrent streams with their own workspaces are safe).
+  __shared__ int is_last;
+  __threadfence();  // this CTA's partial is visible device-wide before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(counters + blockIdx.x, 1u) == (unsigned)num_splits - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
   const long long part0 = (long long)blockIdx.x * num_splits * GROUP;
-  for (int item = threadIdx.x; item < GROUP * PIECES; item += kMergeThreads) {
-    const int h = item / PIECES, c = item - h * PIECES;
+  const int n_parts = num_splits * GROUP;
+  float* const weight = reinterpret_cast<float*>(smem + Q_U4);  // [split][head]: 2^(m - max)
+  float* const sums = weight + n_parts;                           // [split][head]: l
+  float* const denoms = sums + n_parts;                        // [head]
+  for (int i = threadIdx.x; i < n_parts; i += NUM_WARPS * 32) {
+    weight[i] = __ldcg(part_ml + (part0 + i) * 2);
+    sums[i] = __ldcg(part_ml + (part0 + i) * 2 + 1);
+  }
+  __syncthreads();
+  if (threadIdx.x < GROUP) {
+    const int h = threadIdx.x;
     float mmax = neg_inf;
-    for (int s = 0; s < num_splits; ++s) mmax = fmaxf(mmax, __ldg(part_ml + (part0 + s * GROUP + h) * 2));
+    for (int s = 0; s < num_splits; ++s) mmax = fmaxf(mmax, weight[s * GROUP + h]);
     const float base = mmax == neg_inf ? 0.f : mmax;
-    float denom = 0.f, a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float denom = 0.f;
     for (int s = 0; s < num_splits; ++s) {
-      const long long part = part0 + s * GROUP + h;
-      const float sc = ex2(__ldg(part_ml + part * 2) - base);
-      denom += __ldg(part_ml + part * 2 + 1) * sc;
-      const float4* src = reinterpret_cast<const float4*>(part_acc + part * HEAD_DIM + 8 * c);
-      const float4 u = __ldg(src), v = __ldg(src + 1);
-      a[0] += u.x * sc; a[1] += u.y * sc; a[2] += u.z * sc; a[3] += u.w * sc;
-      a[4] += v.x * sc; a[5] += v.y * sc; a[6] += v.z * sc; a[7] += v.w * sc;
+      const float w = ex2(weight[s * GROUP + h] - base);
+      weight[s * GROUP + h] = w;
+      denom += sums[s * GROUP + h] * w;
+    }
+    denoms[h] = denom;
+  }
+  __syncthreads();
+  // Every thread streams its items' partials from L2 with several loads in flight.
+  for (int item = threadIdx.x; item < GROUP * PIECES; item += NUM_WARPS * 32) {
+    const int h = item / PIECES, c = item - h * PIECES;
+    float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    const float4* src = reinterpret_cast<const float4*>(part_acc + (part0 + h) * HEAD_DIM + 8 * c);
+    const long long step = (long long)GROUP * HEAD_DIM / 4;  // float4s between splits
+#pragma unroll 8
+    for (int s = 0; s < num_splits; ++s) {
+      const float w = weight[s * GROUP + h];
+      const float4 u = __ldcg(src + s * step), v = __ldcg(src + s * step + 1);
+      a[0] += u.x * w; a[1] += u.y * w; a[2] += u.z * w; a[3] += u.w * w;
+      a[4] += v.x * w; a[5] += v.y * w; a[6] += v.z * w; a[7] += v.w * w;
     }
     const long long head = (long long)kvh * GROUP + h;
     store_gated(out + row * out_row + head * out_head + 8 * c, gate + row * gate_row + head * gate_head + 8 * c,
-                a, denom, output_scale);
+                a, denoms[h], output_scale);
   }
 }
 

@@ -9,6 +9,8 @@
 //
 // One thread per column; grid = (rows, ceil(slot_columns / 256)). PAGE_SIZE is a template
 // parameter so the index split is a multiply-shift even for non-power-of-two pages.
+// With split-K the pass also zeroes the decode's per-(row, kv head) completion counters
+// (`counters`, null otherwise): the decode of the same call is stream-ordered after it.
 #pragma once
 
 namespace fij_qsa {
@@ -21,7 +23,9 @@ qsa_slots(const int* __restrict__ indices, long long idx_row_stride, long long i
           const int* __restrict__ block_table, long long bt_row_stride, long long bt_col_stride,
           const int* __restrict__ token_to_req, long long t2r_stride, int* __restrict__ slots,
           int topk, int slot_columns, int table_width, int num_requests, int num_blocks,
-          int offset_bits) {
+          int offset_bits, unsigned* __restrict__ counters, int num_kv_heads) {
+  if (counters != nullptr && blockIdx.y == 0)
+    for (int h = threadIdx.x; h < num_kv_heads; h += kSlotThreads) counters[(long long)blockIdx.x * num_kv_heads + h] = 0u;
   const int column = blockIdx.y * kSlotThreads + threadIdx.x;
   if (column >= slot_columns) return;
   const long long row = blockIdx.x;

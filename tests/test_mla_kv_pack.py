@@ -61,7 +61,9 @@ def ref_codes(x: torch.Tensor) -> torch.Tensor:
     return BF16_LUT[bits]
 
 
-def ref_pack(kv_nope: torch.Tensor, k_pe: torch.Tensor, nope: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def ref_pack(
+    kv_nope: torch.Tensor, k_pe: torch.Tensor, nope: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(key codes, value codes) as uint8 on CPU, from the table and explicit layout."""
     t, h, _ = kv_nope.shape
     k_pe = k_pe.reshape(t, k_pe.shape[-1])
@@ -77,19 +79,50 @@ def codes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().view(torch.uint8).cpu()
 
 
-ADVERSARIAL = [0.0, -0.0, 2.0**-9, -(2.0**-9), 2.0**-10, 3 * 2.0**-10, 2.0**-7, 0.0078125, 1e-40,
-               448.0, 449.0, 464.0, 465.0, -464.0, 480.0, 1e30, -1e30, math.inf, -math.inf,
-               math.nan, -math.nan, 1.0, -1.0, 0.1, 240.0, 17.5, 2.0**-6, -(2.0**-6)]
+ADVERSARIAL = [
+    0.0,
+    -0.0,
+    2.0**-9,
+    -(2.0**-9),
+    2.0**-10,
+    3 * 2.0**-10,
+    2.0**-7,
+    0.0078125,
+    1e-40,
+    448.0,
+    449.0,
+    464.0,
+    465.0,
+    -464.0,
+    480.0,
+    1e30,
+    -1e30,
+    math.inf,
+    -math.inf,
+    math.nan,
+    -math.nan,
+    1.0,
+    -1.0,
+    0.1,
+    240.0,
+    17.5,
+    2.0**-6,
+    -(2.0**-6),
+]
 
 
-def make_inputs(tokens: int, heads: int, device="cpu", dtype=torch.bfloat16, seed=0, adversarial=True):
+def make_inputs(
+    tokens: int, heads: int, device="cpu", dtype=torch.bfloat16, seed=0, adversarial=True
+):
     g = torch.Generator().manual_seed(seed)
     kv = (torch.randn(tokens, heads, 256, generator=g) * 64).to(dtype)
     pe = (torch.randn(tokens, 64, generator=g) * 64).to(dtype)
     if adversarial and tokens:
         special = torch.tensor(ADVERSARIAL, dtype=torch.float32).to(dtype)
         flat = kv.view(-1)
-        where = torch.randint(0, flat.numel(), (min(flat.numel(), 4 * len(ADVERSARIAL)),), generator=g)
+        where = torch.randint(
+            0, flat.numel(), (min(flat.numel(), 4 * len(ADVERSARIAL)),), generator=g
+        )
         flat[where] = special.repeat(4)[: where.numel()]
         pe.view(-1)[: min(pe.numel(), len(ADVERSARIAL))] = special[: pe.numel()]
     return kv.to(device), pe.to(device)
@@ -98,11 +131,31 @@ def make_inputs(tokens: int, heads: int, device="cpu", dtype=torch.bfloat16, see
 # -- the reference itself --------------------------------------------------------------
 @pytest.mark.parametrize(
     "value, code",
-    [(0.0, 0x00), (-0.0, 0x80), (1.0, 0x38), (-2.0, 0xC0), (448.0, 0x7E), (-448.0, 0xFE),
-     (449.0, 0x7E), (464.0, 0x7E), (465.0, 0x7E), (1e30, 0x7E), (math.inf, 0x7E),
-     (-math.inf, 0xFE), (math.nan, 0x7F), (2.0**-9, 0x01), (2.0**-10, 0x00),
-     (3 * 2.0**-10, 0x02), (2.0**-6, 0x08), (0.9375, 0x37), (0.96875, 0x38),
-     (1.0625, 0x38), (1.1875, 0x3A), (-1e-30, 0x80), (240.0, 0x77)],
+    [
+        (0.0, 0x00),
+        (-0.0, 0x80),
+        (1.0, 0x38),
+        (-2.0, 0xC0),
+        (448.0, 0x7E),
+        (-448.0, 0xFE),
+        (449.0, 0x7E),
+        (464.0, 0x7E),
+        (465.0, 0x7E),
+        (1e30, 0x7E),
+        (math.inf, 0x7E),
+        (-math.inf, 0xFE),
+        (math.nan, 0x7F),
+        (2.0**-9, 0x01),
+        (2.0**-10, 0x00),
+        (3 * 2.0**-10, 0x02),
+        (2.0**-6, 0x08),
+        (0.9375, 0x37),
+        (0.96875, 0x38),
+        (1.0625, 0x38),
+        (1.1875, 0x3A),
+        (-1e-30, 0x80),
+        (240.0, 0x77),
+    ],
 )
 def test_reference_encoder(value, code):
     assert encode_e4m3(value) == code
@@ -129,8 +182,13 @@ def test_saturating_cast_every_bf16_pattern():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_saturating_cast_other_dtypes(dtype):
     g = torch.Generator().manual_seed(1)
-    x = torch.cat([torch.tensor(ADVERSARIAL), torch.randn(4000, generator=g) * 100,
-                   torch.rand(1000, generator=g) * 0.02]).to(dtype)
+    x = torch.cat(
+        [
+            torch.tensor(ADVERSARIAL),
+            torch.randn(4000, generator=g) * 100,
+            torch.rand(1000, generator=g) * 0.02,
+        ]
+    ).to(dtype)
     want = torch.tensor([encode_e4m3(v) for v in x.double().tolist()], dtype=torch.uint8)
     assert torch.equal(mkp.saturating_e4m3(x).view(torch.uint8), want)
 
@@ -162,7 +220,9 @@ def test_other_geometry_and_dtype_on_torch_path():
     assert key.shape == (4, 3, 72) and value.shape == (4, 3, 56)
     enc = [[[encode_e4m3(v) for v in row] for row in tok] for tok in kv.double().tolist()]
     enc = torch.tensor(enc, dtype=torch.uint8)
-    pe_enc = torch.tensor([[encode_e4m3(v) for v in r] for r in pe[:, 0].double().tolist()], dtype=torch.uint8)
+    pe_enc = torch.tensor(
+        [[encode_e4m3(v) for v in r] for r in pe[:, 0].double().tolist()], dtype=torch.uint8
+    )
     assert torch.equal(codes(key)[..., :40], enc[..., :40])
     assert torch.equal(codes(key)[..., 40:], pe_enc[:, None, :].expand(4, 3, 32))
     assert torch.equal(codes(value), enc[..., 40:])
@@ -193,8 +253,11 @@ def test_k_pe_layouts(layout):
     kv, pe = make_inputs(9, 3)
     latent = torch.randn(9, 576).to(torch.bfloat16)
     latent[:, 512:] = pe
-    arg = {"latent_slice": latent[:, 512:], "three_d": pe[:, None, :],
-           "three_d_slice": latent[:, None, 512:]}[layout]
+    arg = {
+        "latent_slice": latent[:, 512:],
+        "three_d": pe[:, None, :],
+        "three_d_slice": latent[:, None, 512:],
+    }[layout]
     key, value = concat_mla_kv_quant_fp8(kv, arg)
     want_key, want_value = ref_pack(kv, pe)
     assert torch.equal(codes(key), want_key) and torch.equal(codes(value), want_value)
@@ -219,6 +282,46 @@ def test_env_switch_skips_fused_backends(monkeypatch):
     assert torch.equal(codes(key), ref_pack(kv, pe)[0])
 
 
+def test_fast_path_dispatch(monkeypatch):
+    """The fast path replays a cached plan only for the exact signature it was cached
+    under, never with the env switch set, and leaves misaligned addresses to the full
+    path. (CPU tensors never cache a plan; the test plants one.)"""
+    kv, pe = make_inputs(4, 2)
+    key, value = (
+        torch.empty(4, 2, 192, dtype=torch.float8_e4m3fn),
+        torch.empty(4, 2, 128, dtype=torch.float8_e4m3fn),
+    )
+    launched = []
+
+    class FakePlan:
+        def __init__(self, ok):
+            self.ok = ok
+
+        def launch(self, *ptrs):
+            launched.append(ptrs)
+            return self.ok
+
+    monkeypatch.setattr(mkp, "_FAST", {})
+    concat_mla_kv_quant_fp8(kv, pe, key, value)
+    assert mkp._FAST == {}  # the torch path caches nothing
+    sig = mkp._signature(kv, pe, key, value, 128, "auto")
+    mkp._FAST[sig] = FakePlan(True)
+    key.view(torch.uint8).zero_()
+    assert concat_mla_kv_quant_fp8(kv, pe, key, value) == (key, value)
+    assert launched == [(kv.data_ptr(), pe.data_ptr(), key.data_ptr(), value.data_ptr())]
+    assert not codes(key).any()  # the (fake) plan served the call
+    concat_mla_kv_quant_fp8(kv, pe, key, value, backend="cake")  # another signature
+    assert len(launched) == 1 and torch.equal(codes(key), ref_pack(kv, pe)[0])
+    monkeypatch.setenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", "1")
+    concat_mla_kv_quant_fp8(kv, pe, key, value)
+    assert len(launched) == 1
+    monkeypatch.delenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE")
+    mkp._FAST[sig] = FakePlan(False)  # misaligned: the full path serves
+    key.view(torch.uint8).zero_()
+    concat_mla_kv_quant_fp8(kv, pe, key, value)
+    assert len(launched) == 2 and torch.equal(codes(key), ref_pack(kv, pe)[0])
+
+
 BAD = [
     (lambda kv, pe: dict(kv_nope=kv, k_pe=pe, backend="fast"), ValueError, "backend"),
     (lambda kv, pe: dict(kv_nope=kv[0], k_pe=pe), ValueError, "kv_nope"),
@@ -229,10 +332,32 @@ BAD = [
     (lambda kv, pe: dict(kv_nope=kv, k_pe=pe.float()), TypeError, "k_pe"),
     (lambda kv, pe: dict(kv_nope=kv, k_pe=pe[:, None].expand(4, 2, 64)), ValueError, "k_pe"),
     (lambda kv, pe: dict(kv_nope=kv, k_pe=pe[None]), ValueError, "k_pe"),
-    (lambda kv, pe: dict(kv_nope=kv, k_pe=pe, key=torch.empty(4, 2, 191, dtype=torch.float8_e4m3fn)), ValueError, "key"),
-    (lambda kv, pe: dict(kv_nope=kv, k_pe=pe, key=torch.empty(4, 2, 192, dtype=torch.uint8)), TypeError, "key"),
-    (lambda kv, pe: dict(kv_nope=kv, k_pe=pe, value=torch.empty(4, 3, 128, dtype=torch.float8_e4m3fn)), ValueError, "value"),
-    (lambda kv, pe: dict(kv_nope=kv, k_pe=pe, value=torch.empty(4, 2, 128, dtype=torch.bfloat16)), TypeError, "value"),
+    (
+        lambda kv, pe: dict(
+            kv_nope=kv, k_pe=pe, key=torch.empty(4, 2, 191, dtype=torch.float8_e4m3fn)
+        ),
+        ValueError,
+        "key",
+    ),
+    (
+        lambda kv, pe: dict(kv_nope=kv, k_pe=pe, key=torch.empty(4, 2, 192, dtype=torch.uint8)),
+        TypeError,
+        "key",
+    ),
+    (
+        lambda kv, pe: dict(
+            kv_nope=kv, k_pe=pe, value=torch.empty(4, 3, 128, dtype=torch.float8_e4m3fn)
+        ),
+        ValueError,
+        "value",
+    ),
+    (
+        lambda kv, pe: dict(
+            kv_nope=kv, k_pe=pe, value=torch.empty(4, 2, 128, dtype=torch.bfloat16)
+        ),
+        TypeError,
+        "value",
+    ),
     (lambda kv, pe: dict(kv_nope=kv, k_pe=pe, value="out"), ValueError, "value"),
 ]
 
@@ -249,8 +374,9 @@ def test_custom_op_fake_and_compile():
     kv, pe = make_inputs(8, 3)
     key = torch.empty(8, 3, 192, dtype=torch.float8_e4m3fn)
     value = torch.empty(8, 3, 128, dtype=torch.float8_e4m3fn)
-    torch.library.opcheck(mkp._concat_op, (kv, pe, key, value, 128, "auto"),
-                          test_utils=("test_faketensor",))
+    torch.library.opcheck(
+        mkp._concat_op, (kv, pe, key, value, 128, "auto"), test_utils=("test_faketensor",)
+    )
 
     @torch.compile(backend="aot_eager", fullgraph=True)
     def step(kv, pe):
@@ -274,7 +400,9 @@ def test_workloads_file_matches_module():
     specs = mkp.prebuild_specs(data)
     families = {s.family for s in specs}
     assert families == {"mla_kv_pack", "mla_kv_pack_cake"}
-    assert {s.param_dict["head_group"] for s in specs if s.compiler == "cute"} == set(cake.HEAD_GROUPS)
+    assert {s.param_dict["head_group"] for s in specs if s.compiler == "cute"} == set(
+        cake.HEAD_GROUPS
+    )
 
 
 def test_plan_head_group_stays_in_the_built_set():
@@ -331,7 +459,9 @@ def test_cake_generator_builds_and_matches_launch_signature(tmp_path):
 
     from flashinfer_jit._jit import TEMPLATE_ROOT
 
-    spec = importlib.util.spec_from_file_location("_cake_gen", TEMPLATE_ROOT / "mla_kv_pack_cake.py")
+    spec = importlib.util.spec_from_file_location(
+        "_cake_gen", TEMPLATE_ROOT / "mla_kv_pack_cake.py"
+    )
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     assert gen.HEAD_GROUPS == cake.HEAD_GROUPS and gen.WARPS_PER_BLOCK == cake.WARPS_PER_BLOCK
@@ -349,7 +479,9 @@ def test_cake_generator_builds_and_matches_launch_signature(tmp_path):
     for line in elf.splitlines():
         if "Ordinal :" in line and "Size" in line:
             fields = line.replace(":", " ").split()
-            sizes[int(fields[fields.index("Ordinal") + 1], 16)] = int(fields[fields.index("Size") + 1], 16)
+            sizes[int(fields[fields.index("Ordinal") + 1], 16)] = int(
+                fields[fields.index("Size") + 1], 16
+            )
     packer = cake._family.packer
     widths = {"P": 8, "q": 8, "i": 4}
 
@@ -370,12 +502,19 @@ def test_tuned_table_nearest_point_and_validation():
         return {"backend": backend, "param": param, "planned": False, "us": us}
 
     rows = [
-        {"tokens": t, "heads": h, "variants": {
-            "a": variant("specialized", 4, 10.0 if h == 12 else 12.0),
-            "b": variant("specialized", 8, 11.0),
-            "c": variant("cake", 2, 11.5 if t < 1000 else 9.0),
-            "d": variant("cake", 8, 13.0)}}
-        for h in (1, 12, 128) for t in (1, 1024, 16384) if (h, t) != (128, 16384)
+        {
+            "tokens": t,
+            "heads": h,
+            "variants": {
+                "a": variant("specialized", 4, 10.0 if h == 12 else 12.0),
+                "b": variant("specialized", 8, 11.0),
+                "c": variant("cake", 2, 11.5 if t < 1000 else 9.0),
+                "d": variant("cake", 8, 13.0),
+            },
+        }
+        for h in (1, 12, 128)
+        for t in (1, 1024, 16384)
+        if (h, t) != (128, 16384)
     ]
     block = block_from_measurements(rows, "test")
     assert block["auto"][1] == ["specialized", "cake", "cake"]
@@ -398,13 +537,30 @@ def test_tuned_table_nearest_point_and_validation():
 def test_plans_follow_the_tuned_table(monkeypatch):
     from flashinfer_jit.mla_kv_pack_tuning import Tuned
 
-    block = {"heads": [16], "tokens": [1, 4096], "auto": [["specialized", "cake"]],
-             "cake_head_group": [[1, 4]], "specialized_heads_per_warp": [[2, 16]]}
+    block = {
+        "heads": [16],
+        "tokens": [1, 4096],
+        "auto": [["specialized", "cake"]],
+        "cake_head_group": [[1, 4]],
+        "specialized_heads_per_warp": [[2, 16]],
+    }
     monkeypatch.setattr(mkp, "TUNED", Tuned(block, cake.HEAD_GROUPS))
-    assert mkp.auto_order(1, 16) == ("specialized", "cake")
-    assert mkp.auto_order(5000, 16) == ("cake", "specialized")
     assert (mkp.plan_cake(1, 16), mkp.plan_cake(8000, 20)) == (1, 4)
     assert (mkp.plan_specialized(2, 16), mkp.plan_specialized(9000, 8)) == (2, 8)
     monkeypatch.setattr(mkp, "TUNED", Tuned(None, cake.HEAD_GROUPS))
-    assert mkp.auto_order(1, 12) == ("specialized", "cake") and mkp.auto_order(1, 16)[0] == "cake"
     assert mkp.plan_cake(1, 16) == cake.plan_head_group(1, 16)
+
+
+def test_auto_policy_per_arch():
+    # sm_90, measured: specialized for one head and for tiny calls, cake elsewhere.
+    for tokens in (1, 1024, 16384, 131072):
+        assert mkp.auto_order(tokens, 1, (9, 0)) == ("specialized", "cake")
+    assert mkp.auto_order(16, 16, (9, 0))[0] == mkp.auto_order(1, 128, (9, 0))[0] == "specialized"
+    assert mkp.auto_order(64, 12, (9, 0))[0] == "cake"  # 768 token-heads
+    for heads in (2, 12, 16, 128):
+        for tokens in (1024, 16384, 131072):
+            assert mkp.auto_order(tokens, heads, (9, 0))[0] == "cake"
+    # sm_100/sm_103: the seed's rule (specialized for 12 local heads).
+    for cap in ((10, 0), (10, 3)):
+        assert mkp.auto_order(1, 12, cap) == ("specialized", "cake")
+        assert mkp.auto_order(131072, 1, cap)[0] == mkp.auto_order(16, 16, cap)[0] == "cake"

@@ -34,7 +34,9 @@ def strict(monkeypatch):
 
 
 def poisoned(tokens: int, heads: int, width: int) -> torch.Tensor:
-    return torch.full((tokens, heads, width), POISON, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    return torch.full((tokens, heads, width), POISON, dtype=torch.uint8, device="cuda").view(
+        torch.float8_e4m3fn
+    )
 
 
 def torch_path(kv, pe):
@@ -170,6 +172,41 @@ def test_large_offsets(backend):
 
 
 @pytest.mark.parametrize("backend", ["specialized", "cake", "auto"])
+def test_fast_path_replays_the_plan(backend, monkeypatch):
+    """A repeated call replays the cached plan with new addresses; a misaligned one, or
+    one with the env switch set, still takes the path that can serve it."""
+    tokens, heads = 33, 16
+    mkp._FAST.clear()
+    for seed in (1, 2):
+        kv, pe = make_inputs(tokens, heads, device="cuda", seed=seed)
+        key, value = poisoned(tokens, heads, 192), poisoned(tokens, heads, 128)
+        concat_mla_kv_quant_fp8(kv, pe, key, value, backend=backend)
+        torch.cuda.synchronize()
+        check(kv, pe, key, value)
+    assert len(mkp._FAST) == 1
+    # Same shapes and strides, 16-byte but not 32-byte aligned kv_nope: cake's plan
+    # refuses the addresses; the full path serves (auto/specialized) or strict mode says so.
+    store = torch.empty(tokens * heads * 256 + 8, dtype=torch.bfloat16, device="cuda")
+    kv16 = store[8:].view(tokens, heads, 256)
+    kv16.copy_(kv)
+    key, value = poisoned(tokens, heads, 192), poisoned(tokens, heads, 128)
+    if backend == "cake":
+        with pytest.raises(FallbackError):
+            concat_mla_kv_quant_fp8(kv16, pe, key, value, backend=backend)
+    else:
+        concat_mla_kv_quant_fp8(kv16, pe, key, value, backend=backend)
+        torch.cuda.synchronize()
+        check(kv, pe, key, value)
+    monkeypatch.setenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", "1")
+    monkeypatch.setattr(
+        mkp.Plan, "launch", lambda *_: pytest.fail("the fast path ran with the env switch set")
+    )
+    key, value = poisoned(tokens, heads, 192), poisoned(tokens, heads, 128)
+    concat_mla_kv_quant_fp8(kv, pe, key, value, backend=backend)
+    check(kv, pe, key, value)
+
+
+@pytest.mark.parametrize("backend", ["specialized", "cake", "auto"])
 def test_cuda_graph_capture(backend):
     tokens, heads = 48, 16
     kv, pe = make_inputs(tokens, heads, device="cuda", seed=1)
@@ -219,7 +256,11 @@ def test_cake_runs_from_prebuilt_cubins_without_the_dsl():
     for group in cake.HEAD_GROUPS:
         spec = cake._family.spec((group,))
         key = BUILDER.cache_key(spec, arch)
-        found = [r for r in roots if BUILDER.cache._load_from(r, BUILDER.cache._relative(arch, spec.family, key))]
+        found = [
+            r
+            for r in roots
+            if BUILDER.cache._load_from(r, BUILDER.cache._relative(arch, spec.family, key))
+        ]
         assert found, f"{spec.label} for {arch} is not in {roots}"
         print(f"{spec.label} {arch}: prebuilt in {found[0]} (key {key[:12]})")
     kv, pe = make_inputs(16, 16, device="cuda")

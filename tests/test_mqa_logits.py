@@ -379,7 +379,8 @@ def test_prebuild_specs_cover_workloads():
     specs = mq.prebuild_specs(workloads)
     labels = [s.label for s in specs]
     assert any(s.family == "mqa_logits_schedule" for s in specs)
-    assert len(specs) == 1 + math.prod(
+    assert sum(s.family == "mqa_logits_generic" for s in specs) == 8  # every dtype triple
+    assert len(specs) == 1 + 8 + math.prod(
         len(workloads[k]) for k in ("next_n", "num_heads", "head_dim", "block_size", "output_dtype")
     )
     assert all("portable=False" in lbl for lbl in labels if lbl.startswith("mqa_logits["))
@@ -430,22 +431,44 @@ def test_kernels_compile(arch, params, tmp_path):
         assert "QGMMA" in sass, "the sm_90a path must use fp8 wgmma"
     else:
         assert "HMMA" in sass
+    assert "UBLKCP" in sass, "the ring kernel streams K with cp.async.bulk"
     sched = mq._schedule_family.spec((256,))
     assert compile_cubin(render(sched, BUILDER.template_root), arch).cubin
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_generic_kernel_compiles(arch, tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from flashinfer_jit._jit import BUILDER
+    from flashinfer_jit.mqa_logits_generic import generic_specs
+    from jit_kernels import compile_cubin, render
+
+    spec = generic_specs()[0]
+    sass, res = _sass(compile_cubin(render(spec, BUILDER.template_root), arch).cubin, tmp_path)
+    assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills on {arch}: {res}"
+    assert ("QGMMA" if arch == "sm_90a" else "HMMA") in sass
+
+
 # -- GPU ----------------------------------------------------------------------------------
+# (warpgroups, stages, portable, ring); ring stages 0 = as many as fit. ring_3x6 wraps its
+# 6-stage ring many times per CTA (mbarrier phases); direct_* are the register-fed kernel.
 VARIANTS = {
     "auto": None,
-    "portable": (2, 2, True),
-    "wgmma_1wg": (1, 3, False),
-    "wgmma_2x1": (2, 1, False),
+    "portable": (2, 0, True, True),
+    "ring_1wg": (1, 0, False, True),
+    "ring_3x6": (3, 6, False, True),
+    "direct_2x2": (2, 2, False, False),
+    "direct_portable": (1, 3, True, False),
+    "generic": "generic",  # the runtime-geometry kernel (mq._force_generic)
 }
 
 
 @pytest.fixture
 def variant(request, monkeypatch):
-    monkeypatch.setattr(mq, "_config_override", VARIANTS[request.param])
+    if VARIANTS[request.param] == "generic":
+        monkeypatch.setattr(mq, "_force_generic", True)
+    else:
+        monkeypatch.setattr(mq, "_config_override", VARIANTS[request.param])
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a fallback to torch would hide a kernel bug
     return request.param
 
@@ -464,7 +487,7 @@ def test_gpu_matches_reference(variant, next_n, heads, block_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["auto", "portable"], indirect=True)
+@pytest.mark.parametrize("variant", ["auto", "portable", "generic"], indirect=True)
 @pytest.mark.parametrize(
     "dtypes,rtol",
     [
@@ -479,18 +502,29 @@ def test_gpu_half_precision(variant, dtypes, rtol):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["auto", "portable"], indirect=True)
+@pytest.mark.parametrize("variant", ["auto", "portable", "direct_2x2", "generic"], indirect=True)
 @pytest.mark.parametrize("dim", [32, 96, 160, 256])
 def test_gpu_other_head_dims(variant, dim):
     run_and_check([5, 64, 333], device="cuda", next_n=1, heads=64, dim=dim, seed=dim)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["auto"], indirect=True)
+@pytest.mark.parametrize("variant", ["auto", "ring_3x6", "portable", "generic"], indirect=True)
 def test_gpu_many_requests(variant):
     gen = torch.Generator().manual_seed(3)
     lens = torch.randint(0, 3000, (300,), generator=gen).tolist()
     run_and_check(lens, device="cuda", next_n=2, heads=64, seed=11)
+
+
+@pytest.mark.gpu
+def test_gpu_generic_serves_when_jit_disabled(monkeypatch):
+    monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a torch fallback would raise
+    monkeypatch.setattr(mq, "_force_generic", True)  # builds (caches) the generic cubin
+    run_and_check([70, 0, 5], device="cuda", next_n=1, heads=8, dim=64)
+    monkeypatch.setattr(mq, "_force_generic", False)
+    monkeypatch.setenv("FLASHINFER_JIT_DISABLE", "1")  # no specialization for this geometry
+    run_and_check([300, 1, 129, 0], device="cuda", next_n=2, heads=20, dim=64, block_size=32)
+    assert any(p[4] == (2, 20, 64, 32, p[4][4]) for p in mq._plans.values() if p[4])
 
 
 @pytest.mark.gpu

@@ -9,6 +9,17 @@ exceed L2 (60 MiB on the H200) where memory allows. A long sleep kernel is queue
 before each batch of calls so the host's launch cost stays hidden behind the GPU and
 the events measure the kernels themselves. Byte floor = bytes read + written / 4.24 TB/s.
 
+Two kernel times are reported. "us" (the auto policy and the tuned plans use these):
+one CUDA-event pair around each call, which for a tiny kernel also counts the event
+and launch latency on the GPU (~2 µs on the H200). "b2b us": back-to-back calls, 20
+captured in one CUDA graph (rotating input sets), the graph replay timed with one
+event pair and divided by 20: each kernel's own time plus the gap between kernels,
+the cost a serving step sees.
+
+Host overhead (µs per call, tiny inputs, many calls back to back, wall clock): the op
+with outputs given (its fast path), the bare engine launch of the same kernel, and an
+empty torch op (``Tensor.add_(0)`` on a 1-element tensor) for scale.
+
 Variants: specialized with several heads-per-warp splits, cake with every head group;
 the planned choice of each is marked with '*'. The table (printed last) has the data
 the auto policy needs: each backend's planned and best time, and what auto picks.
@@ -68,7 +79,10 @@ def time_calls(fn, sets, reps: int) -> float:
     times: list[float] = []
     batch = 20
     while len(times) < reps:
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(batch)]
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(batch)
+        ]
         # ~2 GHz: queue enough sleep that the host enqueues the whole batch meanwhile.
         torch.cuda._sleep(int(batch * (host_us + 10) * 2000 * 1.5))
         for i, (a, b) in enumerate(events):
@@ -81,17 +95,79 @@ def time_calls(fn, sets, reps: int) -> float:
     return statistics.median(times)
 
 
+def time_graph(fn, sets, calls: int = 20, replays: int = 15) -> float:
+    """µs per call of ``calls`` back-to-back calls captured in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(*sets[0])  # loads the kernel and fills the fast path before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(*sets[i % len(sets)])
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def host_overhead(tokens: int = 1, heads: int = 16, calls: int = 3000) -> dict[str, float]:
+    """Wall-clock µs per call on the host, ``calls`` back to back, tiny inputs."""
+    kv, pe, key, value = make_sets(tokens, heads, 1)[0]
+    plan = mkp._FUSED[mkp.auto_order(tokens, heads, torch.cuda.get_device_capability())[0]][1](
+        kv, pe
+    )
+    # The bare launch: the same kernel and arguments, everything precomputed.
+    args = plan.args(kv.data_ptr(), pe.data_ptr(), key.data_ptr(), value.data_ptr())
+    stream = torch.cuda.current_stream().cuda_stream
+    one = torch.zeros(1, device="cuda")
+    cases = {
+        "op (outputs given)": lambda: mkp.concat_mla_kv_quant_fp8(kv, pe, key, value),
+        "op (outputs allocated)": lambda: mkp.concat_mla_kv_quant_fp8(kv, pe),
+        "bare engine launch": lambda: plan.kernel.launch(plan.grid, plan.block, stream, args),
+        "empty torch op (add_)": lambda: one.add_(0),
+    }
+    out = {}
+    for name, fn in cases.items():
+        for _ in range(200):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out[name] = (time.perf_counter() - start) / calls * 1e6
+        torch.cuda.synchronize()
+    return out
+
+
 def variants(tokens: int, heads: int) -> dict[str, tuple]:
     """name -> (launch fn, backend, param, planned?)."""
     out = {}
     planned = mkp.plan_specialized(tokens, heads)
-    for hpw in sorted({planned, 1, 2, 4, 8, 16, 32, heads} & set(range(1, heads + 1))):
+    for hpw in sorted({planned, 1, 2, 4, 8, 16} & set(range(1, heads + 1))):
         out[f"spec/hpw={hpw}"] = (
             lambda kv, pe, k, v, h=hpw: mkp._launch_specialized(kv, pe, k, v, heads_per_warp=h),
-            "specialized", hpw, hpw == planned)
+            "specialized",
+            hpw,
+            hpw == planned,
+        )
     group = mkp.plan_cake(tokens, heads)
     for g in cake.HEAD_GROUPS:
-        out[f"cake/G={g}"] = (lambda kv, pe, k, v, g=g: cake.launch(kv, pe, k, v, head_group=g), "cake", g, g == group)
+        out[f"cake/G={g}"] = (
+            lambda kv, pe, k, v, g=g: cake.launch(kv, pe, k, v, head_group=g),
+            "cake",
+            g,
+            g == group,
+        )
     return out
 
 
@@ -103,26 +179,43 @@ def run_point(tokens: int, heads: int) -> dict:
     ref_key = torch.empty_like(key)
     ref_value = torch.empty_like(value)
     mkp._pack_torch(kv, pe, ref_key, ref_value, 128)
-    row = {"tokens": tokens, "heads": heads, "bytes": nbytes, "floor_us": nbytes / (CEILING_TBPS * 1e6),
-           "variants": {}, "errors": []}
+    row = {
+        "tokens": tokens,
+        "heads": heads,
+        "bytes": nbytes,
+        "floor_us": nbytes / (CEILING_TBPS * 1e6),
+        "variants": {},
+        "errors": [],
+    }
     for name, (fn, backend, param, planned) in variants(tokens, heads).items():
         try:
             key.view(torch.uint8).fill_(0x5A)
             value.view(torch.uint8).fill_(0x5A)
             fn(kv, pe, key, value)
             torch.cuda.synchronize()
-            if not (torch.equal(key.view(torch.uint8), ref_key.view(torch.uint8))
-                    and torch.equal(value.view(torch.uint8), ref_value.view(torch.uint8))):
+            if not (
+                torch.equal(key.view(torch.uint8), ref_key.view(torch.uint8))
+                and torch.equal(value.view(torch.uint8), ref_value.view(torch.uint8))
+            ):
                 raise AssertionError("output differs from the torch path")
             us = time_calls(fn, sets, KERNEL_REPS)
-            row["variants"][name] = {"backend": backend, "param": param, "planned": planned, "us": us}
+            row["variants"][name] = {
+                "backend": backend,
+                "param": param,
+                "planned": planned,
+                "us": us,
+            }
         except Exception as exc:  # one broken variant must not hide the others
             row["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
             traceback.print_exc()
     try:
         auto = lambda kv, pe, k, v: mkp.concat_mla_kv_quant_fp8(kv, pe, k, v, backend="auto")  # noqa: E731
-        row["auto_pick"] = mkp.auto_order(tokens, heads)[0]
+        row["auto_pick"] = mkp.auto_order(tokens, heads, torch.cuda.get_device_capability())[0]
         row["auto_us"] = time_calls(auto, sets, KERNEL_REPS)
+        row["b2b_us"] = {"auto": time_graph(auto, sets)}
+        for fn, backend, _, planned in variants(tokens, heads).values():
+            if planned:
+                row["b2b_us"][backend] = time_graph(fn, sets)
         torch_fn = lambda kv, pe, k, v: mkp._pack_torch(kv, pe, k, v, 128)  # noqa: E731
         row["torch_us"] = time_calls(torch_fn, sets[:2], TORCH_REPS)
     except Exception as exc:
@@ -135,8 +228,11 @@ def run_point(tokens: int, heads: int) -> dict:
 
 def summarize(row: dict) -> list[str]:
     def pick(backend: str, planned_only: bool):
-        vs = [(v["us"], n) for n, v in row["variants"].items()
-              if v["backend"] == backend and (v["planned"] or not planned_only)]
+        vs = [
+            (v["us"], n)
+            for n, v in row["variants"].items()
+            if v["backend"] == backend and (v["planned"] or not planned_only)
+        ]
         return min(vs) if vs else (float("nan"), "-")
 
     spec, spec_best = pick("specialized", True), pick("specialized", False)
@@ -144,12 +240,24 @@ def summarize(row: dict) -> list[str]:
     best = min(spec[0], cake_[0])
     auto = row.get("auto_us", float("nan"))
     floor = row["floor_us"]
+    b2b = row.get("b2b_us", {})
+    b2b_best = min(b2b.get("specialized", float("inf")), b2b.get("cake", float("inf")))
     return [
-        str(row["tokens"]), str(row["heads"]), f"{floor:.2f}",
-        f"{spec[0]:.2f}", f"{spec_best[0]:.2f} ({spec_best[1].split('/')[1]})",
-        f"{cake_[0]:.2f}", f"{cake_best[0]:.2f} ({cake_best[1].split('/')[1]})",
-        f"{100 * floor / best:.0f}%", f"{row.get('torch_us', float('nan')):.1f}",
-        row.get("auto_pick", "-"), f"{auto:.2f}", f"{100 * (auto / best - 1):+.1f}%",
+        str(row["tokens"]),
+        str(row["heads"]),
+        f"{floor:.2f}",
+        f"{spec[0]:.2f}",
+        f"{spec_best[0]:.2f} ({spec_best[1].split('/')[1]})",
+        f"{cake_[0]:.2f}",
+        f"{cake_best[0]:.2f} ({cake_best[1].split('/')[1]})",
+        f"{100 * floor / best:.0f}%",
+        f"{row.get('torch_us', float('nan')):.1f}",
+        row.get("auto_pick", "-"),
+        f"{auto:.2f}",
+        f"{100 * (auto / best - 1):+.1f}%",
+        "/".join(f"{b2b.get(k, float('nan')):.2f}" for k in ("specialized", "cake", "auto")),
+        f"{100 * floor / b2b_best:.0f}%",
+        f"{100 * (b2b.get('auto', float('nan')) / b2b_best - 1):+.1f}%",
         "; ".join(row["errors"])[:60] or "ok",
     ]
 
@@ -166,24 +274,50 @@ def write_tuned(results: Path) -> int:
     workloads["tuned"] = block
     text = json.dumps(workloads, indent=2)
     # One line per list of scalars keeps the tables readable: a row per head count.
-    text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + ", ".join(
-        x.strip() for x in m.group(1).split(",")) + "]", text)
+    text = re.sub(
+        r"\[\s+([^\[\]{}]*?)\s+\]",
+        lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]",
+        text,
+    )
     path.write_text(text + "\n")
-    print(f"wrote the tuned block ({len(block['heads'])} x {len(block['tokens'])} points) to {path}")
+    print(
+        f"wrote the tuned block ({len(block['heads'])} x {len(block['tokens'])} points) to {path}"
+    )
     return 0
 
 
-HEADER = ["tokens", "heads", "floor us", "spec us", "spec best (hpw)", "cake us", "cake best (G)",
-          "% floor", "torch us", "auto", "auto us", "auto vs best", "errors"]
+HEADER = [
+    "tokens",
+    "heads",
+    "floor us",
+    "spec us",
+    "spec best (hpw)",
+    "cake us",
+    "cake best (G)",
+    "% floor",
+    "torch us",
+    "auto",
+    "auto us",
+    "auto vs best",
+    "b2b us spec/cake/auto",
+    "b2b % floor",
+    "b2b auto vs best",
+    "errors",
+]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokens", default="1,16,64,1024,16384,131072")
     parser.add_argument("--heads", default="1,12,16,128")
     parser.add_argument("--json", help="also write every measurement here")
-    parser.add_argument("--write-tuned", metavar="RESULTS",
-                        help="no GPU needed: turn a --json file into the workloads JSON's tuned block")
+    parser.add_argument(
+        "--write-tuned",
+        metavar="RESULTS",
+        help="no GPU needed: turn a --json file into the workloads JSON's tuned block",
+    )
     args = parser.parse_args()
     if args.write_tuned:
         return write_tuned(Path(args.write_tuned))
@@ -197,14 +331,31 @@ def main() -> int:
                 continue
             row = run_point(tokens, heads)
             rows.append(row)
-            detail = ", ".join(f"{n} {v['us']:.2f}{'*' if v['planned'] else ''}" for n, v in row["variants"].items())
+            detail = ", ".join(
+                f"{n} {v['us']:.2f}{'*' if v['planned'] else ''}"
+                for n, v in row["variants"].items()
+            )
             print(f"{tokens}x{heads}: {detail}", flush=True)
+    host = {}
+    try:
+        host = host_overhead()
+    except Exception:  # the kernel table must still print
+        traceback.print_exc()
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": device, "rows": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"device": device, "rows": rows, "host_us": host}, indent=1)
+        )
     cells = [HEADER] + [summarize(r) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
     print()
-    print("(spec/cake us: the planned variant; best: the fastest variant tried; % floor: of the faster planned backend)")
+    print("host overhead, µs per call (1 token x 16 heads, back to back, wall clock):")
+    for name, us in host.items():
+        print(f"  {name:24s} {us:7.2f}")
+    print()
+    print("(us: one event pair per call; b2b us: back-to-back calls in a CUDA graph, per call;")
+    print(
+        " spec/cake us: the planned variant; best: the fastest variant tried; % floor: of the faster planned backend)"
+    )
     for i, c in enumerate(cells):
         print(" | ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)))
         if i == 0:

@@ -3,11 +3,13 @@
     python tools/bench_mqa_logits.py [--quick] [--reps N]
 
 Inputs follow ../shared/FACTS.md's DeepGEMM table: head_dim 128, block 64 (plus block 32
-and 128 comparisons), seq lens uniform in [0.7 L, L], a shuffled KV pool, fp32 logits.
-Per row every kernel variant (warpgroups, stages, wgmma/portable) is checked against a
-float64 reference on a few requests and then timed with CUDA events around the eager
-call (internal output allocation, like DeepGEMM's), median over many reps, rotating
-enough input sets that the KV pool does not sit in L2. The summary table prints last.
+and 128 comparisons at two rows), seq lens uniform in [0.7 L, L], a shuffled KV pool, fp32
+logits. Per row a few kernel variants (ring/direct kernel, warpgroups, stages) are checked
+against a float64 reference on a few requests and then timed with CUDA events around the
+eager call (internal output allocation, like DeepGEMM's), median over many reps, rotating
+enough input sets that the KV pool does not sit in L2. For the small rows the host cost of
+one call (perf_counter around the call, GPU idle) and the CUDA-graph replay time are
+measured too. The summary table prints last.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -37,23 +40,23 @@ ROWS = [  # B, next_n, H, L, DeepGEMM us, target us (eager), target us (graph re
     (128, 3, 64, 16384, None, 85, None),
     (128, 4, 32, 16384, None, 85, None),
 ]
+# (warpgroups, stages, portable, ring); None = the default choice (ring, 2 consumer
+# warpgroups, as many stages as fit); stages 0 = as many as fit.
 VARIANTS = [
     None,
-    (1, 2, False),
-    (1, 4, False),
-    (2, 1, False),
-    (2, 2, False),
-    (2, 3, False),
-    (2, 4, False),
-    (3, 2, False),
-    (3, 3, False),
-    (4, 2, False),
-    (2, 2, True),
+    (1, 0, False, True),
+    (3, 0, False, True),
+    (2, 6, False, True),
+    (4, 2, False, False),
 ]
+BLOCK_ROWS = {(256, 1, 64, 8192), (128, 3, 64, 16384)}  # rows compared at blocks 32/128
 
 
 def vname(v) -> str:
-    return "auto" if v is None else f"{'mma' if v[2] else 'wg'}{v[0]}x{v[1]}"
+    if v is None:
+        return "auto"
+    kind = "ring" if v[3] else "direct"
+    return f"{kind}{'-mma' if v[2] else ''}{v[0]}x{v[1] or 'max'}"
 
 
 def make_set(batch, next_n, heads, length, block, gen, device="cuda"):
@@ -122,6 +125,19 @@ def time_eager(sets, max_len, reps):
     return statistics.median(times)
 
 
+def host_us(sets, max_len, reps):
+    """Host cost of one eager call with the GPU idle: perf_counter around the call."""
+    times = []
+    for i in range(reps):
+        q, kv, w, table, lens = sets[i % len(sets)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len)
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def time_graph(sets, max_len, reps):
     """Replay time of a captured call (out= and schedule_meta=None), one graph per set."""
     graphs = []
@@ -183,6 +199,7 @@ def main() -> None:
     )
 
     summary, per_variant, blocks, graphs = [], [], [], []
+    t_start = time.time()
     for batch, next_n, heads, length, dg, target, gtarget in ROWS:
         try:
             sets, res = run_row(batch, next_n, heads, length, 64, args.reps, variants, gen)
@@ -205,11 +222,11 @@ def main() -> None:
                 )
             )
             if gtarget is not None:
-                graphs.append(
-                    (batch, next_n, heads, length, time_graph(sets, length, args.reps), gtarget)
-                )
+                replay = time_graph(sets, length, args.reps)
+                host = host_us(sets, length, args.reps)
+                graphs.append((batch, next_n, heads, length, replay, gtarget, host))
             del sets
-            for block in (32, 128):
+            for block in (32, 128) if (batch, next_n, heads, length) in BLOCK_ROWS else ():
                 bsets, bres = run_row(batch, next_n, heads, length, block, args.reps, [None], gen)
                 blocks.append(
                     (batch, next_n, heads, length, block, bres.get("auto"), res.get("auto"))
@@ -219,6 +236,10 @@ def main() -> None:
             print(f"row {batch},{next_n},{heads},{length} failed: {exc!r}")
             traceback.print_exc(limit=3)
         torch.cuda.empty_cache()
+        print(
+            f"row {batch},{next_n},{heads},{length} done at {time.time() - t_start:.0f} s",
+            flush=True,
+        )
 
     def f(x, nd=1):
         return "-" if x is None else f"{x:.{nd}f}"
@@ -240,9 +261,9 @@ def main() -> None:
             f"| {batch} | {next_n} | {heads} | {length} | {block} | {f(t)} | {f(t64)} | {ratio} |"
         )
     print("\nCUDA-graph replay (out=, schedule_meta=None):")
-    print("| B | next_n | H | L | replay us | target us |")
-    for batch, next_n, heads, length, t, target in graphs:
-        print(f"| {batch} | {next_n} | {heads} | {length} | {f(t)} | {target} |")
+    print("| B | next_n | H | L | replay us | target us | host us per eager call |")
+    for batch, next_n, heads, length, t, target, host in graphs:
+        print(f"| {batch} | {next_n} | {heads} | {length} | {f(t)} | {target} | {f(host)} |")
     print(
         "\nfp8_paged_mqa_logits, H200, D=128, block 64, seq lens in [0.7L, L], fp32 logits, eager:"
     )

@@ -1,6 +1,6 @@
 """Benchmark QSA fp8 sparse paged decode on a GPU: variants, crossover sweep, issue table.
 
-    python tools/bench_qsa.py [--quick] [--no-sweep] [--no-variants]
+    python tools/bench_qsa.py [--no-sweep] [--no-variants]
 
 Inputs follow the issue: D=128, page 64, e4m3 K/V in the combined [blocks, Hkv, page, 2D]
 cache split into zero-copy views, valid_count uniform in [topk/2, topk] and -1 past it,
@@ -142,7 +142,7 @@ def time_eager(run, sets, reps=20) -> float:
 
 
 def kernel_breakdown(run, sets, reps=5) -> str:
-    """Mean device µs per call of each kernel, from the profiler (slot pass, decode, merge)."""
+    """Mean device µs per call of each kernel, from the profiler (slot pass, decode)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -199,7 +199,7 @@ def bench_variants(shape, gib, configs, splits_list):
     sets = make_sets(rows, hq, hkv, topk, n_sets_for(rows, hkv, topk), gib)
     expect = reference_of(sets[0])
     results = []
-    for name, run in [*[(f"single w{w} s{s}", variant(1, (w, s))) for w, s in configs],
+    for name, run in [*[(f"single w{w} s{s} c{c}", variant(1, (w, s, c))) for w, s, c in configs],
                       *[(f"split {k}", variant(k)) for k in splits_list]]:
         try:
             err = check(run, sets[0], expect)
@@ -211,26 +211,25 @@ def bench_variants(shape, gib, configs, splits_list):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="fewer variants and sweep points")
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--no-variants", action="store_true")
     parser.add_argument("--gib", type=float, default=6.0, help="cache pool size")
     opts = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"dispatch: single pass when rows*Hkv >= {qsa.DECODE_MIN_PROGRAMS}; configs {qsa.DECODE_CONFIG}")
+    print(f"dispatch: single pass when rows*Hkv >= {qsa.DECODE_MIN_PROGRAMS}; "
+          f"configs (warps, stages, min CTAs/SM) {qsa.DECODE_CONFIG}")
 
-    configs = [(4, 4), (4, 3), (4, 6), (4, 8), (8, 4), (8, 2), (2, 8)]
-    splits_list = [2, 4, 8, 16, 32]
-    if opts.quick:
-        configs, splits_list = configs[:3], [4, 16]
-
-    # 1. variants of the issue shapes (which config wins, split-K counts).
+    # 1. decode configs and split counts on the issue shapes.
+    configs = [(4, 3, 4), (4, 4, 1), (4, 2, 4), (8, 2, 2), (8, 3, 2)]
+    variant_shapes = {(64, 64, 4, 2048): [2, 4, 8], (512, 64, 4, 2048): [2],
+                      (2048, 32, 4, 1024): [], (4, 64, 4, 2048): [4, 8, 16, 32, 64]}
     if not opts.no_variants:
-        for shape in ISSUE_SHAPES:
+        for shape, splits_list in variant_shapes.items():
             print(f"\n== variants rows={shape[0]} Hq={shape[1]} Hkv={shape[2]} topk={shape[3]} "
                   "(graph µs per call; err vs torch path)")
             try:
-                res = bench_variants(shape, opts.gib, configs, splits_list)
+                res = bench_variants(shape, opts.gib, configs if shape[0] >= 64 else configs[:1],
+                                     splits_list)
             except Exception:
                 traceback.print_exc()
                 continue
@@ -241,36 +240,29 @@ def main() -> None:
                 best = min(ok, key=lambda r: r[1])
                 print(f"best: {best[0]} {best[1]:.1f} µs")
 
-    # 2. crossover sweep: single pass (default config) vs the best split-K count.
+    # 2. crossover sweep: single pass vs split-K counts vs what the dispatcher picks.
     if not opts.no_sweep:
-        print("\n== crossover sweep: graph µs, single pass vs best split-K (Hkv=4)")
+        print("\n== crossover sweep: graph µs, single pass vs split-K (Hkv=4)")
         sweep_rows = []
-        groups = (16, 8) if opts.quick else (16, 8, 4, 1)
-        topks = (2048,) if opts.quick else (512, 2048, 8192)
-        rows_list = (1, 4, 16, 32, 64, 128, 256) if not opts.quick else (4, 32, 128)
-        for group in groups:
-            for topk in topks:
-                for rows in rows_list:
+        for group in (16, 8):
+            for topk in (512, 2048, 8192):
+                for rows in (16, 32, 64, 128, 256):
                     shape = (rows, 4 * group, 4, topk)
                     try:
                         sets = make_sets(*shape, n_sets_for(rows, 4, topk), opts.gib, seed=rows)
                         expect = reference_of(sets[0])
-                        single = variant(1)
-                        check(single, sets[0], expect)
-                        t_single = time_graph(single, sets)
-                        best_split, best_k = None, None
-                        for k in (2, 4, 8, 16, 32):
-                            if k * 16 * 8 > topk:
+                        times = {}
+                        for k in (1, 2, 4, 8, 16):
+                            if k > 1 and k * 16 * 8 > topk:
                                 continue
-                            run = variant(k)
-                            check(run, sets[0], expect)
-                            t = time_graph(run, sets)
-                            if best_split is None or t < best_split:
-                                best_split, best_k = t, k
+                            check(variant(k), sets[0], expect)
+                            times[k] = time_graph(variant(k), sets)
+                        best_k = min((k for k in times if k > 1), key=times.get, default=None)
                         auto = qsa._pick_splits(rows, 4, topk, torch.cuda.current_device())
                         t_disp = time_graph(dispatcher, sets)
-                        sweep_rows.append([group, topk, rows, rows * 4, t_single, best_split,
-                                           best_k, auto, t_disp, floor_us(sets[0])])
+                        sweep_rows.append([group, topk, rows, rows * 4, times[1],
+                                           None if best_k is None else times[best_k], best_k,
+                                           auto, t_disp, floor_us(sets[0])])
                     except Exception as exc:
                         sweep_rows.append([group, topk, rows, rows * 4, f"ERR {exc}"[:60]])
                     del sets

@@ -1,0 +1,52 @@
+"""The generic ``fp8_paged_mqa_logits`` kernel: one cubin per dtype triple serving every
+geometry (next_n, num_heads, head_dim <= 256, block_size are runtime arguments).
+
+It serves when the call's specialization cannot be built or loaded (no NVRTC, or
+``FLASHINFER_JIT_DISABLE=1`` and the specialization is not in the cache), so ``prebuild``
+ships it for every dtype triple. See templates/mqa_logits_generic.cuh.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from jit_kernels import KernelSpec, KernelUnavailable
+
+from ._jit import kernel_family
+from .mqa_logits_checks import FLOAT_DTYPES, ring_smem_bytes, ring_stages, sm_count
+
+log = logging.getLogger(__name__)
+GENERIC_ROWS = 256  # Q rows of the generic kernel's buffer: next_n * num_heads <= 256
+GENERIC_MAX_DIM = 256
+GENERIC_WARPGROUPS = 2
+
+generic_family = kernel_family(
+    "mqa_logits_generic",
+    "mqa_logits_generic.cuh",
+    "fij_mqa::paged_mqa_logits_generic",
+    ("output_dtype", "epi_dtype", "acc_dtype", "portable"),
+    ("P", "P", "P", "P", "q", "P", "q", "P", "P", "q", "i", "i", "i", "i", "i", "i"),
+)
+
+
+def generic_plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int, why: str) -> tuple:
+    """(kernel, grid, block, smem, extra args) of the generic kernel for this call."""
+    _, next_n, heads, dim, block_size = geometry
+    stages = ring_stages(GENERIC_ROWS, dim, GENERIC_WARPGROUPS)
+    if dim > GENERIC_MAX_DIM or stages < 2:
+        raise KernelUnavailable(f"{why}; the generic kernel takes head_dim <= {GENERIC_MAX_DIM}")
+    kernel = generic_family.get((output_dtype, epi_dtype, acc_dtype, False), device)
+    log.info("fp8_paged_mqa_logits: generic kernel for %s (%s)", geometry, why)
+    smem = ring_smem_bytes(GENERIC_ROWS, dim, GENERIC_WARPGROUPS, stages)
+    threads = 128 * GENERIC_WARPGROUPS + 32
+    extra = (next_n, heads, dim, block_size, stages)
+    return kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, extra
+
+
+def generic_specs() -> list[KernelSpec]:
+    """The generic kernel for every (output, epilogue, accumulator) dtype triple."""
+    return [
+        generic_family.spec((o, e, a, False))
+        for o, e, a in itertools.product(FLOAT_DTYPES, repeat=3)
+    ]

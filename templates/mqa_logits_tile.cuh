@@ -1,0 +1,198 @@
+// Per-tile pieces of the paged MQA logits kernels, shared by the direct-load kernel and
+// the shared-memory ring kernel: the permuted Q layout, the MMA of one 64-token tile
+// (S^T = K . Q^T, tokens as rows) and its epilogue (ReLU, weights, head sum, scale, store).
+//
+// The K fragment of a tile (`ka[2][DIM/16]`) is what thread (warp, g, tig) of a
+// warpgroup holds for token rows warp*16 + g and warp*16 + g + 8: per 64-byte chunk of a
+// token row the 16 contiguous bytes [16 tig, 16 tig + 16) (8 bytes [8 tig, 8 tig + 8) of a
+// trailing 32-byte chunk). A dot product is order-free, so Q is stored permuted the same
+// way (load_q) and the MMA sees a consistent k order.
+#pragma once
+#include "mqa_logits_util.cuh"
+#include "mqa_logits_wgmma.cuh"
+
+namespace fij_mqa {
+
+// Byte offset of Q element (n, logical k) in a warpgroup's Q buffer (N x DIM e4m3): per
+// 32-wide k step a block of N x 32 bytes made of 8-row x 16-byte core matrices
+// [n/8][k/16]; see load_q for the inverse (physical head_dim byte -> logical k).
+template <int N>
+__device__ __forceinline__ int q_offset(int n, int s, int half, int byte) {
+  return s * (N * 32) + (n >> 3) * 256 + half * 128 + (n & 7) * 16 + byte;
+}
+
+// Q[b] (N x DIM, row n = t*HEADS + h) into the buffer, permuted as the K fragments are.
+// `rows` Q rows of `dim` bytes (contiguous at src) into a buffer laid out for NQ rows.
+template <int NQ>
+__device__ __forceinline__ void load_q_rows(const unsigned char* __restrict__ src_bytes, int rows, int dim,
+                                            unsigned char* qbuf, int tid) {
+  const unsigned* src = reinterpret_cast<const unsigned*>(src_bytes);
+  for (int idx = tid; idx < rows * dim / 4; idx += 128) {
+    const int n = idx / (dim / 4), pb = (idx % (dim / 4)) * 4;
+    const int pair = pb >> 6, r = pb & 63;
+    int s, tig, half;
+    if (pair * 64 + 64 <= dim) {  // full 64-byte chunk: tig owns bytes [16 tig, 16 tig + 16)
+      tig = r >> 4;
+      s = 2 * pair + ((r >> 3) & 1);
+      half = (r >> 2) & 1;
+    } else {  // trailing 32-byte chunk: tig owns bytes [8 tig, 8 tig + 8)
+      tig = r >> 3;
+      s = 2 * pair;
+      half = (r >> 2) & 1;
+    }
+    *reinterpret_cast<unsigned*>(qbuf + q_offset<NQ>(n, s, half, tig * 4)) = src[idx];
+  }
+}
+
+template <int N, int DIM>
+__device__ __forceinline__ void load_q(const unsigned char* __restrict__ q, int b, unsigned char* qbuf, int tid) {
+  load_q_rows<N>(q + (long long)b * N * DIM, N, DIM, qbuf, tid);
+}
+
+// wgmma over N columns in chunks of 256/128/.../8 (the widths with generated wrappers).
+template <int N, int N0, bool F16ACC, typename T>
+__device__ __forceinline__ void wgmma_chunks(T* acc, const unsigned (&a)[4], unsigned long long desc, int scale_d) {
+  if constexpr (N0 < N) {
+    constexpr int R = N - N0;
+    constexpr int C = R >= 256 ? 256 : R >= 128 ? 128 : R >= 64 ? 64 : R >= 32 ? 32 : R >= 16 ? 16 : 8;
+    Wgmma<C, F16ACC>::run(acc + (F16ACC ? N0 / 4 : N0 / 2), a, desc + (unsigned long long)((N0 / 8) * 256 >> 4),
+                          scale_d);
+    wgmma_chunks<N, N0 + C, F16ACC>(acc, a, desc, scale_d);
+  }
+}
+
+template <bool F16ACC>
+__device__ __forceinline__ void mma_16816(unsigned* acc, const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  if constexpr (F16ACC) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0, %1}, {%2, %3, %4, %5}, {%6, %7}, {%0, %1};"
+                 : "+r"(acc[0]), "+r"(acc[1])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+r"(acc[0]), "+r"(acc[1]), "+r"(acc[2]), "+r"(acc[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// acc_u (N/2 f32 or N/4 half2 words) = the tile's S^T rows of this thread.
+template <int N, int DIM, bool F16ACC, bool WGMMA>
+__device__ __forceinline__ void tile_mma(const unsigned (&ka)[2][DIM / 16], const unsigned char* qbuf,
+                                         unsigned* acc_u, int g, int tig) {
+  constexpr int ACC_WORDS = F16ACC ? N / 4 : N / 2;
+  float* acc_f = reinterpret_cast<float*>(acc_u);
+  if constexpr (WGMMA) {
+    const unsigned long long desc0 = (unsigned long long)((smem_u32(qbuf) & 0x3FFFF) >> 4) |
+                                     ((unsigned long long)(128 >> 4) << 16) |  // LBO: next 16 k-bytes
+                                     ((unsigned long long)(256 >> 4) << 32);   // SBO: next 8 rows
+#pragma unroll
+    for (int w = 0; w < ACC_WORDS; ++w) acc_u[w] = 0u;
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int s = 0; s < DIM / 32; ++s) {
+      const unsigned a[4] = {ka[0][2 * s], ka[1][2 * s], ka[0][2 * s + 1], ka[1][2 * s + 1]};
+      const unsigned long long desc = desc0 + (unsigned long long)((s * N * 32) >> 4);
+      if constexpr (F16ACC)
+        wgmma_chunks<N, 0, true>(acc_u, a, desc, s > 0 ? 1 : 0);
+      else
+        wgmma_chunks<N, 0, false>(acc_f, a, desc, s > 0 ? 1 : 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  } else {
+#pragma unroll
+    for (int w = 0; w < ACC_WORDS; ++w) acc_u[w] = 0u;
+#pragma unroll
+    for (int s = 0; s < DIM / 32; ++s) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const unsigned r0 = ka[0][2 * s + h], r1 = ka[1][2 * s + h];
+        const unsigned a[4] = {e4m3x2_to_h2(r0 & 0xffff), e4m3x2_to_h2(r1 & 0xffff), e4m3x2_to_h2(r0 >> 16),
+                               e4m3x2_to_h2(r1 >> 16)};
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+          const unsigned bw =
+              *reinterpret_cast<const unsigned*>(qbuf + q_offset<N>(j * 8 + g, s, h, tig * 4));
+          mma_16816<F16ACC>(acc_u + (F16ACC ? 2 * j : 4 * j), a, e4m3x2_to_h2(bw & 0xffff),
+                            e4m3x2_to_h2(bw >> 16));
+        }
+      }
+    }
+  }
+}
+
+template <int NEXT_N, int HEADS, typename OutT, typename EpiT, typename AccT>
+__device__ __forceinline__ void tile_store(const unsigned* acc_u, const float* wbuf, float sc0, float sc1, int b,
+                                           int tile, int rows, OutT* __restrict__ out, long long out_stride,
+                                           int warp, int g, int tig) {
+  constexpr int N = NEXT_N * HEADS;
+  constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
+  constexpr bool F16EPI = same_type<EpiT, fij::half_t>::value;
+  constexpr bool F16OUT = same_type<OutT, fij::half_t>::value;
+  const float* acc_f = reinterpret_cast<const float*>(acc_u);
+  float part[NEXT_N][2];
+  unsigned short hpart[NEXT_N][2];
+#pragma unroll
+  for (int t = 0; t < NEXT_N; ++t) {
+    part[t][0] = part[t][1] = 0.f;
+    hpart[t][0] = hpart[t][1] = 0;
+  }
+#pragma unroll
+  for (int i = 0; i < N / 8; ++i) {
+    const int t_lo = (i * 8) / HEADS, t_hi = (i * 8 + 7) / HEADS;
+    const bool low = (i * 8 + tig * 2) < (t_lo + 1) * HEADS;  // which t this thread's pair is in
+    const int col = i * 8 + tig * 2;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if constexpr (F16EPI) {
+        const unsigned x = F16ACC ? acc_u[2 * i + r] : pack_h2(acc_f[4 * i + 2 * r], acc_f[4 * i + 2 * r + 1]);
+        const unsigned w2 = pack_h2(wbuf[col], wbuf[col + 1]);
+        const unsigned short y = hsum2(hfma2(hrelu2(x), w2, 0u));
+        if (t_lo == t_hi || low)
+          hpart[t_lo][r] = hadd(hpart[t_lo][r], y);
+        else
+          hpart[t_hi][r] = hadd(hpart[t_hi][r], y);
+      } else {
+        const float x0 = F16ACC ? h2_lo(acc_u[2 * i + r]) : acc_f[4 * i + 2 * r];
+        const float x1 = F16ACC ? h2_hi(acc_u[2 * i + r]) : acc_f[4 * i + 2 * r + 1];
+        const float y = fmaf(fmaxf(x0, 0.f), wbuf[col], fmaxf(x1, 0.f) * wbuf[col + 1]);
+        if (t_lo == t_hi) {
+          part[t_lo][r] += y;
+        } else {
+          part[t_lo][r] += low ? y : 0.f;
+          part[t_hi][r] += low ? 0.f : y;
+        }
+      }
+    }
+  }
+  const int pos0 = tile * kTile + warp * 16 + g;
+#pragma unroll
+  for (int t = 0; t < NEXT_N; ++t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float sc = r ? sc1 : sc0;
+      const int pos = pos0 + 8 * r;
+      OutT* dst = out + (long long)(b * NEXT_N + t) * out_stride + pos;
+      if constexpr (F16EPI) {
+        unsigned v = hpart[t][r];
+        v = hadd(v, __shfl_xor_sync(0xffffffffu, v, 1));
+        v = hadd(v, __shfl_xor_sync(0xffffffffu, v, 2));
+        const unsigned short res = hmul((unsigned short)v, f2h(sc));
+        if (((t * 2 + r) & 3) == tig && pos < rows) {
+          if constexpr (F16OUT) reinterpret_cast<unsigned short*>(dst)[0] = res;
+          else *reinterpret_cast<float*>(dst) = h2f(res);
+        }
+      } else {
+        float v = part[t][r];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        v *= sc;
+        if (((t * 2 + r) & 3) == tig && pos < rows) {
+          if constexpr (F16OUT) reinterpret_cast<unsigned short*>(dst)[0] = f2h(v);
+          else *reinterpret_cast<float*>(dst) = v;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace fij_mqa

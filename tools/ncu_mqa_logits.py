@@ -1,0 +1,52 @@
+"""One fp8_paged_mqa_logits launch for Nsight Compute (B=256, next_n=1, H=64, L=8192, block 64).
+
+    ncu --clock-control none --kernel-name regex:paged_mqa_logits --launch-skip 1 \\
+        --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \\
+        --section WarpStateStats --section Occupancy \\
+        python tools/ncu_mqa_logits.py [--variant W,S,PORTABLE,RING] [--batch B] ...
+
+The first call compiles/loads and warms up (skipped by --launch-skip 1); the second is
+the profiled launch. --variant forces (warpgroups, stages, portable, ring) as the
+benchmark's variants do, e.g. 4,2,0,0 for the direct kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import bench_mqa_logits as bench  # noqa: E402
+
+import flashinfer_jit.mqa_logits as mq  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--next-n", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--length", type=int, default=8192)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--variant", default=None, help="W,S,PORTABLE,RING (default: auto)")
+    args = parser.parse_args()
+    if args.variant:
+        w, s, p, r = (int(x) for x in args.variant.split(","))
+        mq._config_override = (w, s, bool(p), bool(r))
+    gen = torch.Generator().manual_seed(0)
+    q, kv, w, table, lens = bench.make_set(
+        args.batch, args.next_n, args.heads, args.length, args.block, gen
+    )
+    for _ in range(2):  # launch 1: warm-up (skipped by ncu), launch 2: profiled
+        mq.fp8_paged_mqa_logits(q, kv, w, table, lens, args.length)
+    torch.cuda.synchronize()
+    print("ok: 2 launches of fp8_paged_mqa_logits")
+
+
+if __name__ == "__main__":
+    main()
