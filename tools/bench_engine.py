@@ -61,7 +61,24 @@ def hot_overhead_us() -> dict[str, float]:
             torch.cuda.synchronize()
         return statistics.median(samples)
 
+    # The same launch through a ctypes binding of libcuda's cuLaunchKernel, to see what the
+    # cuda-bindings wrapper itself costs per call.
+    import ctypes
+
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    raw = libcuda.cuLaunchKernel
+    raw.restype = ctypes.c_int
+    raw.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    func = int(kernel.function)
+
+    def ctypes_launch():
+        params = kernel.packer.pack(args)
+        err = raw(func, 1, 1, 1, 256, 1, 1, 0, current_stream(0), params, None)
+        if err:
+            raise RuntimeError(err)
+
     return {
+        "ctypes cuLaunchKernel (same packing and stream lookup)": per_call(ctypes_launch),
         "empty torch op (x.add_(1), 16 elems)": per_call(lambda: small.add_(1)),
         "engine launch (LoadedKernel.launch)": per_call(
             lambda: kernel.launch((1, 1, 1), (256, 1, 1), current_stream(0), args)
