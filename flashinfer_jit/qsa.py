@@ -4,7 +4,8 @@
 
 over the cache tokens row r selects (see ``qsa_ref.resolve_entries`` for what is
 attended). Read top to bottom: argument checks, the kernels' applicability, the launches
-(slot pass -> decode; split-K merges inside the decode), the dispatch gate, warm-up and prebuild.
+(slot pass -> decode; split-K merges inside the decode, through a workspace or, as a thread
+block cluster, through distributed shared memory), the dispatch gate, warm-up and prebuild.
 The torch path (``qsa_ref``) defines the semantics and serves CPU tensors and every call
 the kernels cannot take.
 """
@@ -32,19 +33,27 @@ MAX_SPLITS = 64  # kMaxSplits in templates/qsa_decode.cuh
 _RED_PAD = 4  # kRedPad in templates/qsa_decode.cuh
 _LOG2E = 1.4426950408889634
 
-# (num_warps, num_stages, min_ctas) of the decode kernel per head dim. A warp stage holds
-# one 16-token chunk of K and V (D * 32 bytes); min_ctas is the launch bound (CTAs per SM
-# the registers must allow; 4 CTAs of 4 warps moves Q to shared memory to fit 128
-# registers). D=128: 4 x 52 KB of shared memory, 16 warps per SM.
-DECODE_CONFIG = {64: (4, 8, 1), 128: (4, 3, 4), 256: (4, 2, 1)}
+# (num_warps, num_stages, min_ctas, heads_per_cta) of the decode kernel per head dim. A warp
+# stage holds one 16-token chunk of K and V (D * 32 bytes); min_ctas is the launch bound
+# (CTAs per SM the registers must allow; 4 CTAs of 4 warps moves Q to shared memory to fit
+# 128 registers); heads_per_cta kv heads share a CTA, num_warps / heads_per_cta warps each
+# (it must divide num_kv_heads; the benchmark times 1, 2 and 4). D=128: 4 x 52 KB of shared
+# memory, 16 warps per SM.
+DECODE_CONFIG = {64: (4, 8, 1, 1), 128: (4, 3, 4, 1), 256: (4, 2, 1, 1)}
 # Single pass when rows * num_kv_heads reaches this; below it the selection is split across
-# CTAs. H200 crossover (tools/bench_qsa.py sweep, round 1, Hkv=4, G in 1..16): the single
-# pass matches the best split-K from rows*Hkv = 128-256 at topk 512-2048, while at topk
-# 8192 split-K still wins by ~6% at 1024. The gate sees rows*Hkv only, so 512.
+# CTAs. See use_fp8_decode_kernel for the measured crossover.
 DECODE_MIN_PROGRAMS = 512
 # Split-K aims for this many CTAs per SM, each split keeping at least this many chunks.
 _SPLIT_CTAS_PER_SM = 4
 _MIN_CHUNKS_PER_SPLIT = 8
+# Split-K as thread block clusters of CLUSTER_SIZES CTAs merging through distributed shared
+# memory (no workspace, no completion counters), resolving their own slots when a split's
+# share fits CLUSTER_SLOT_CAP entries (no slot pass: one launch a call). Taken for 2..16
+# wanted splits (capped at 8) when SPLIT_K_CLUSTER is on; off until the H200 measurement (tools/bench_qsa.py,
+# the rows=4 table and the sweep's cluster column) shows it wins.
+SPLIT_K_CLUSTER = False
+CLUSTER_SIZES = (2, 4, 8)
+CLUSTER_SLOT_CAP = 1024
 
 _slots_family = kernel_family(
     "qsa_slots",
@@ -53,43 +62,26 @@ _slots_family = kernel_family(
     ("page_size",),
     ("P", "q", "q", "P", "q", "q", "P", "q", "P", "i", "i", "i", "i", "i", "i", "P", "i"),
 )
+_DECODE_SIGNATURE = (
+    *("P", "q", "q"),  # q
+    *("P", "I", "I", "I", "P", "I", "I", "I"),  # k, v caches and their byte strides (32-bit)
+    *("P", "i", "P", "q", "i", "i", "i"),  # slots, counts, topk, offset bits, Hkv
+    *("P", "q", "q", "P", "q", "q"),  # out, gate
+    *("f", "f", "P", "P", "P", "i"),  # scales, split-K workspace and counters, splits
+    *("P", "q", "P", "q", "q", "i", "i", "P", "q", "i", "i"),  # fused slot resolution's inputs
+)
+_DECODE_PARAMS = ("group_size", "head_dim", "num_warps", "num_stages", "min_ctas", "heads_per_cta")
 _decode_family = kernel_family(
-    "qsa_decode",
+    "qsa_decode", "qsa_decode.cuh", "fij_qsa::qsa_decode", _DECODE_PARAMS, _DECODE_SIGNATURE
+)
+# Small batches: the splits of a (row, head group) as one thread block cluster merging
+# through distributed shared memory, optionally resolving its own slots (one launch a call).
+_decode_cluster_family = kernel_family(
+    "qsa_decode_cluster",
     "qsa_decode.cuh",
-    "fij_qsa::qsa_decode",
-    ("group_size", "head_dim", "num_warps", "num_stages", "min_ctas"),
-    (
-        "P",
-        "q",
-        "q",  # q
-        "P",
-        "I",
-        "I",
-        "I",
-        "P",
-        "I",
-        "I",
-        "I",  # k, v caches and their byte strides (32-bit)
-        "P",
-        "i",
-        "P",
-        "q",
-        "i",
-        "i",
-        "i",  # slots, counts, topk, offset bits, Hkv
-        "P",
-        "q",
-        "q",
-        "P",
-        "q",
-        "q",  # out, gate
-        "f",
-        "f",
-        "P",
-        "P",
-        "P",
-        "i",  # scales, split-K workspace and counters, splits
-    ),
+    "fij_qsa::qsa_decode_cluster",
+    (*_DECODE_PARAMS, "cluster", "slot_cap"),
+    _DECODE_SIGNATURE,
 )
 
 
@@ -186,13 +178,23 @@ def _offset_bits(page_size: int) -> int:
     return max(1, (page_size - 1).bit_length())
 
 
-def _decode_smem_bytes(head_dim: int, num_warps: int, num_stages: int, min_ctas: int) -> int:
+def _decode_smem_bytes(
+    head_dim: int,
+    num_warps: int,
+    num_stages: int,
+    min_ctas: int,
+    heads: int,
+    cluster: int = 0,
+    slot_cap: int = 0,
+) -> int:
     """DecodeSmem<...>::kBytes of templates/qsa_decode.cuh."""
     q_in_smem = head_dim > 128 or num_warps * min_ctas >= 16
-    q_bytes = (head_dim // 64) * 4 * 32 * 16 if q_in_smem else 0
+    q_bytes = heads * (head_dim // 64) * 4 * 32 * 16 if q_in_smem else 0
     stage = num_warps * num_stages * (head_dim // 16) * 32 * 16
     red = num_warps * 16 * (head_dim + _RED_PAD) * 4 + num_warps * 16 * 2 * 4
-    return q_bytes + max(stage, red)
+    merge = (2 * MAX_SPLITS * 16 + 16) * heads * 4
+    part = heads * 16 * (head_dim + 2) * 4 if cluster else 0
+    return q_bytes + max(stage + slot_cap * 4, red + part, merge)
 
 
 def _rows_aligned(t: torch.Tensor, row_dims: tuple[int, ...], nbytes: int = 16) -> bool:
@@ -230,7 +232,7 @@ def _kernel_refusal(q, k_cache, v_cache, logical_indices, out, output_gate) -> s
     return None
 
 
-def _decode_config(head_dim: int) -> tuple[int, int, int]:
+def _decode_config(head_dim: int) -> tuple[int, int, int, int]:
     return DECODE_CONFIG[head_dim]
 
 
@@ -247,6 +249,23 @@ def _pick_splits(rows: int, num_kv_heads: int, topk: int, device: int) -> int:
     return max(1, min(want, chunks // _MIN_CHUNKS_PER_SPLIT, MAX_SPLITS))
 
 
+def _split_plan(
+    rows: int, num_kv_heads: int, topk: int, head_dim: int, device: int
+) -> tuple[int, tuple[int, ...] | None]:
+    """(num_splits, decode config or None for the default) of a split-K call."""
+    splits = _pick_splits(rows, num_kv_heads, topk, device)
+    # Up to twice the largest cluster, the cluster's cheaper merge makes up for fewer splits
+    # (round 2, rows=4: 8 workspace splits beat 16); far past it the workspace path keeps
+    # the parallelism.
+    if not SPLIT_K_CLUSTER or not CLUSTER_SIZES[0] <= splits <= 2 * CLUSTER_SIZES[-1]:
+        return splits, None
+    cluster = max(c for c in CLUSTER_SIZES if c <= splits)
+    chunks = -(-topk // CHUNK)
+    per_split = -(-chunks // cluster) * CHUNK
+    cap = CLUSTER_SLOT_CAP if per_split <= CLUSTER_SLOT_CAP else 0
+    return cluster, (*_decode_config(head_dim), cluster, cap)
+
+
 # -- the launches ----------------------------------------------------------------------------
 def _run_kernels(
     q,
@@ -260,8 +279,11 @@ def _run_kernels(
     softmax_scale,
     output_scale,
     num_splits: int,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
 ) -> None:
+    """Launch the kernels. ``config``: (warps, stages, min CTAs/SM, kv heads per CTA), plus
+    optionally (cluster, slot_cap): cluster = num_splits runs the splits as one thread block
+    cluster; slot_cap > 0 (with a cluster) resolves the slots in the decode, no slot pass."""
     rows, num_q_heads, head_dim = q.shape
     num_blocks, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -272,11 +294,23 @@ def _run_kernels(
     slot_columns = -(-topk // CHUNK) * CHUNK
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    config = tuple(config or _decode_config(head_dim))
+    config, (cluster, slot_cap) = config[:4], (*config[4:], 0, 0)[:2]
+    heads = config[3]
+    if heads < 1 or num_kv_heads % heads or config[0] % heads:
+        raise ValueError(
+            f"heads_per_cta {heads} must divide num_kv_heads ({num_kv_heads}) and num_warps"
+        )
+    if cluster and (cluster != num_splits or slot_columns == 0):
+        raise ValueError(f"a cluster of {cluster} runs num_splits={cluster}, got {num_splits}")
+    per_split = -(-(slot_columns // CHUNK) // max(num_splits, 1)) * CHUNK  # entries a split
+    if slot_cap and (not cluster or per_split > slot_cap):
+        raise ValueError(f"slot_cap {slot_cap} needs a cluster and >= {per_split} entries a split")
     if slot_columns == 0:
         num_splits = 1  # nothing to split; the slot pass (which zeroes the counters) is skipped
     workspace = None
     acc_ptr = ml_ptr = counters_ptr = 0
-    if num_splits > 1:
+    if num_splits > 1 and not cluster:
         # One allocation: partial accumulators, (max, sum) pairs, completion counters.
         parts = rows * num_q_heads * num_splits
         workspace = torch.empty(
@@ -285,7 +319,83 @@ def _run_kernels(
         acc_ptr = workspace.data_ptr()
         ml_ptr = acc_ptr + parts * head_dim * 4
         counters_ptr = ml_ptr + parts * 2 * 4
-    slots = torch.empty((rows, slot_columns), dtype=torch.int32, device=q.device)
+    if slot_cap:
+        slots_ptr = 0
+    else:
+        slots = _resolve_slots(logical_indices, block_table, token_to_req, k_cache, counters_ptr)
+        slots_ptr = slots.data_ptr()
+    # Cache strides in bytes (an e4m3 element is one byte).
+    k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]
+    counts = logical_indices.data_ptr() + topk * logical_indices.stride(1) * 4
+    family, params = _decode_family, (group, head_dim, *config)
+    if cluster:
+        family, params = _decode_cluster_family, (*params, cluster, slot_cap)
+    family.get(params, device).launch(
+        (rows * num_kv_heads // heads, num_splits, 1),
+        (32 * config[0], 1, 1),
+        stream,
+        (
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            k_cache.data_ptr(),
+            k_strides[0],
+            k_strides[1],
+            k_strides[2],
+            v_cache.data_ptr(),
+            v_strides[0],
+            v_strides[1],
+            v_strides[2],
+            slots_ptr,
+            slot_columns,
+            counts,
+            logical_indices.stride(0),
+            topk,
+            offset_bits,
+            num_kv_heads,
+            out.data_ptr(),
+            out.stride(0),
+            out.stride(1),
+            output_gate.data_ptr(),
+            output_gate.stride(0),
+            output_gate.stride(1),
+            softmax_scale * _LOG2E,
+            output_scale,
+            acc_ptr,
+            ml_ptr,
+            counters_ptr,
+            num_splits,
+            logical_indices.data_ptr(),
+            logical_indices.stride(1),
+            block_table.data_ptr(),
+            block_table.stride(0),
+            block_table.stride(1),
+            block_table.shape[1],
+            block_table.shape[0],
+            token_to_req.data_ptr(),
+            token_to_req.stride(0),
+            num_blocks,
+            page_size,
+        ),
+        smem=_decode_smem_bytes(head_dim, *config, cluster, slot_cap),
+    )
+    del workspace  # the caching allocator keeps it stream-ordered until the kernels ran
+
+
+def _resolve_slots(
+    logical_indices, block_table, token_to_req, k_cache, counters_ptr: int = 0
+) -> torch.Tensor:
+    """The slot pass: [rows, TOPK rounded up to a chunk] int32 packed slots, -1 masked.
+
+    With ``counters_ptr`` it also zeroes rows * num_kv_heads split-K completion counters.
+    """
+    rows = logical_indices.shape[0]
+    num_blocks, page_size, num_kv_heads, _ = k_cache.shape
+    topk = logical_indices.shape[1] - 1
+    device = cuda_device_index(logical_indices)
+    stream = current_stream(device)
+    slot_columns = -(-topk // CHUNK) * CHUNK
+    slots = torch.empty((rows, slot_columns), dtype=torch.int32, device=logical_indices.device)
     if slot_columns:
         _slots_family.get((page_size,), device).launch(
             (rows, -(-slot_columns // _SLOT_THREADS), 1),
@@ -306,61 +416,25 @@ def _run_kernels(
                 block_table.shape[1],
                 block_table.shape[0],
                 num_blocks,
-                offset_bits,
+                _offset_bits(page_size),
                 counters_ptr,
                 num_kv_heads,
             ),
         )
-    config = config or _decode_config(head_dim)
-    # Cache strides in bytes (an e4m3 element is one byte).
-    k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]
-    counts = logical_indices.data_ptr() + topk * logical_indices.stride(1) * 4
-    _decode_family.get((group, head_dim, *config), device).launch(
-        (rows * num_kv_heads, num_splits, 1),
-        (32 * config[0], 1, 1),
-        stream,
-        (
-            q.data_ptr(),
-            q.stride(0),
-            q.stride(1),
-            k_cache.data_ptr(),
-            k_strides[0],
-            k_strides[1],
-            k_strides[2],
-            v_cache.data_ptr(),
-            v_strides[0],
-            v_strides[1],
-            v_strides[2],
-            slots.data_ptr(),
-            slot_columns,
-            counts,
-            logical_indices.stride(0),
-            topk,
-            offset_bits,
-            num_kv_heads,
-            out.data_ptr(),
-            out.stride(0),
-            out.stride(1),
-            output_gate.data_ptr(),
-            output_gate.stride(0),
-            output_gate.stride(1),
-            softmax_scale * _LOG2E,
-            output_scale,
-            acc_ptr,
-            ml_ptr,
-            counters_ptr,
-            num_splits,
-        ),
-        smem=_decode_smem_bytes(head_dim, *config),
-    )
-    del workspace  # the caching allocator keeps it stream-ordered until the kernels ran
+    return slots
 
 
 def use_fp8_decode_kernel(base_programs: int, cache_dtype: torch.dtype) -> bool:
     """Whether a call with ``base_programs = rows * num_kv_heads`` takes the single-pass kernel.
 
-    Below the crossover the single-pass grid leaves SMs idle and the split-K kernel wins;
-    the crossover was measured on the H200 (sm_90) and is used on every arch.
+    Below the crossover the single-pass grid leaves SMs idle and the split-K kernel wins.
+    Measured on the H200 (sm_90; tools/bench_qsa.py crossover sweep, Hkv=4, G 8 and 16,
+    workspace split-K, CUDA-graph µs), the single pass is at least as fast as the best
+    split-K from rows * Hkv = 64-128 at topk 512, from 256 at topk 2048 (e.g. 60 vs 65 µs
+    at 256), while at topk 8192 split-K stays 2-5% ahead up to 1024 (681 vs 698 µs). The
+    gate sees rows * Hkv only, so it switches at 512: there the single pass wins by 6-17%
+    at topk <= 2048 and loses by 3-5% at topk 8192 (round 2 figures). The same rule is
+    used on every arch (sm_100 not measured).
     """
     return cache_dtype in FP8_CACHE_DTYPES and base_programs >= DECODE_MIN_PROGRAMS
 
@@ -384,11 +458,11 @@ def _impl(
         reason = _kernel_refusal(q, k_cache, v_cache, logical_indices, out, output_gate)
         if reason is None:
             rows, num_kv_heads = q.shape[0], k_cache.shape[2]
-            splits = 1
+            splits, config = 1, None
             if dispatch and not use_fp8_decode_kernel(rows * num_kv_heads, k_cache.dtype):
-                splits = _pick_splits(
-                    rows, num_kv_heads, logical_indices.shape[1] - 1, cuda_device_index(q)
-                )
+                topk, head_dim = logical_indices.shape[1] - 1, q.shape[2]
+                device = cuda_device_index(q)
+                splits, config = _split_plan(rows, num_kv_heads, topk, head_dim, device)
             try:
                 _run_kernels(
                     q,
@@ -402,6 +476,7 @@ def _impl(
                     float(softmax_scale),
                     float(output_scale),
                     splits,
+                    config,
                 )
                 return
             except KernelUnavailable as exc:
@@ -549,11 +624,23 @@ def qsa_sparse_paged_attention(
 # the decode loop runs to each row's own valid count and TOPK only sizes the slot buffer,
 # so specializing on it would multiply cubins (and warm-up work per selection width)
 # without changing a single instruction of the loop.
-def _specs_for(group: int, head_dim: int, page_size: int) -> list[KernelSpec]:
-    return [
-        _slots_family.spec((page_size,)),
-        _decode_family.spec((group, head_dim, *_decode_config(head_dim))),
+def _family_specs(group: int, head_dim: int, page_size: int) -> list[tuple]:
+    """(family, spec) of every kernel a call with these parameters can launch."""
+    config = (group, head_dim, *_decode_config(head_dim))
+    out = [
+        (_slots_family, _slots_family.spec((page_size,))),
+        (_decode_family, _decode_family.spec(config)),
     ]
+    if SPLIT_K_CLUSTER:
+        for cluster in CLUSTER_SIZES:
+            for cap in (CLUSTER_SLOT_CAP, 0):
+                spec = _decode_cluster_family.spec((*config, cluster, cap))
+                out.append((_decode_cluster_family, spec))
+    return out
+
+
+def _specs_for(group: int, head_dim: int, page_size: int) -> list[KernelSpec]:
+    return [spec for _, spec in _family_specs(group, head_dim, page_size)]
 
 
 def warmup_qsa_fp8_decode(
@@ -592,9 +679,7 @@ def warmup_qsa_fp8_decode(
     device = cuda_device_index(kv_cache)
     group = num_query_heads // num_kv_heads
     ready = []
-    for family, spec in zip(
-        (_slots_family, _decode_family), _specs_for(group, head_dim, page_size), strict=True
-    ):
+    for family, spec in _family_specs(group, head_dim, page_size):
         params = tuple(v for _, v in spec.params)
         family.get(params, device)
         ready.append((spec.family, params))

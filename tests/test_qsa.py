@@ -260,6 +260,23 @@ def test_gate_and_warmup_on_cpu():
                                  num_query_heads=16, selection_width=64) == ()
 
 
+def test_split_plan(monkeypatch):
+    monkeypatch.setattr(qsa, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(qsa, "SPLIT_K_CLUSTER", False)
+    assert qsa._split_plan(4, 4, 2048, 128, 0) == (16, None)
+    monkeypatch.setattr(qsa, "SPLIT_K_CLUSTER", True)
+    config = qsa.DECODE_CONFIG[128]
+    assert qsa._split_plan(1, 4, 8192, 128, 0) == (64, None)  # far past the largest cluster
+    assert qsa._split_plan(4, 4, 2048, 128, 0) == (8, (*config, 8, 1024))  # 16 wanted
+    assert qsa._split_plan(4, 4, 256, 128, 0) == (2, (*config, 2, 1024))
+    assert qsa._split_plan(16, 4, 2048, 128, 0) == (8, (*config, 8, 1024))
+    assert qsa._split_plan(16, 4, 65536, 128, 0) == (8, (*config, 8, 0))  # slot pass
+    assert qsa._split_plan(30, 4, 2048, 128, 0) == (4, (*config, 4, 1024))
+    assert qsa._split_plan(200, 4, 2048, 128, 0) == (1, None)
+    labels = {s.family for s in qsa._specs_for(16, 128, 64)}
+    assert labels == {"qsa_slots", "qsa_decode", "qsa_decode_cluster"}
+
+
 # -- CPU: the kernels compile for every shipped arch, without spills ------------------------------
 def _cuobjdump() -> str | None:
     try:
@@ -273,6 +290,18 @@ def _cuobjdump() -> str | None:
     return shutil.which("cuobjdump")
 
 
+# Designs with several kv heads per CTA (warps, stages, min CTAs/SM, heads), per head dim;
+# tools/bench_qsa.py times them against the default one-head CTAs.
+HEAD_GROUP_CONFIGS = [(128, (4, 3, 4, 4)), (128, (8, 2, 2, 4)), (64, (4, 8, 1, 2)),
+                      (256, (4, 2, 1, 2))]
+
+
+# Cluster split-K (warps, stages, min CTAs/SM, heads, cluster, slot_cap), per head dim.
+CLUSTER_CONFIGS = [(128, (4, 3, 4, 1, 8, 1024)), (128, (4, 3, 4, 1, 4, 0)),
+                   (128, (8, 2, 2, 2, 2, 1024)), (64, (4, 8, 1, 1, 3, 512)),
+                   (256, (4, 2, 1, 2, 2, 256))]
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_kernels_compile_without_spills(arch, tmp_path):
     pytest.importorskip("cuda.bindings.nvrtc")
@@ -281,6 +310,8 @@ def test_kernels_compile_without_spills(arch, tmp_path):
 
     specs = [s for d in qsa.HEAD_DIMS for s in qsa._specs_for(16, d, 64)]
     specs.append(qsa._decode_family.spec((5, 128, *qsa.DECODE_CONFIG[128])))
+    specs += [qsa._decode_family.spec((16, d, *cfg)) for d, cfg in HEAD_GROUP_CONFIGS]
+    specs += [qsa._decode_cluster_family.spec((16, d, *cfg)) for d, cfg in CLUSTER_CONFIGS]
     tool = _cuobjdump()
     for spec in dict.fromkeys(specs):
         kernel = compile_cubin(render(spec, TEMPLATE_ROOT), arch)
@@ -301,7 +332,9 @@ def test_prebuild_specs_cover_workloads():
     specs = qsa.prebuild_specs(workloads)
     labels = {s.label for s in specs}
     assert qsa._decode_family.spec((16, 128, *qsa.DECODE_CONFIG[128])).label in labels
-    assert {s.family for s in specs} == {"qsa_slots", "qsa_decode"}
+    families = {s.family for s in specs}
+    assert {"qsa_slots", "qsa_decode"} <= families <= {"qsa_slots", "qsa_decode", "qsa_decode_cluster"}
+    assert ("qsa_decode_cluster" in families) == qsa.SPLIT_K_CLUSTER
 
 
 # -- GPU ---------------------------------------------------------------------------------------
@@ -339,6 +372,83 @@ def test_gpu_split_k(shape, splits, strict):
     qsa._run_kernels(*args_of(case), num_splits=splits)
     torch.cuda.synchronize()
     assert_close(case["out"], ref_of(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, config", HEAD_GROUP_CONFIGS)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gpu_heads_per_cta(d, config, splits, strict):
+    """Several kv heads per CTA (and their split-K merge) give the one-head result."""
+    hkv = config[3] * 2  # two head groups per row
+    case = make_case(rows=5, hq=hkv * 3, hkv=hkv, d=d, page=32, topk=150, width=6,
+                     num_blocks=30, device="cuda", seed=17, combined=True)
+    case = add_hazards(case)
+    qsa._run_kernels(*args_of(case), num_splits=splits, config=config)
+    torch.cuda.synchronize()
+    assert_close(case["out"], ref_of(case))
+    with pytest.raises(ValueError, match="heads_per_cta"):
+        bad = (config[0], config[1], config[2], hkv + 1)
+        qsa._run_kernels(*args_of(case), num_splits=splits, config=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, config", CLUSTER_CONFIGS)
+@pytest.mark.parametrize("combined", [False, True])
+def test_gpu_cluster_split_k(d, config, combined, strict):
+    """Splits as one cluster merged through DSMEM, with and without in-kernel slots."""
+    hkv = config[3] * 2
+    case = make_case(rows=7, hq=hkv * 5, hkv=hkv, d=d, page=16, topk=200, width=14,
+                     num_blocks=60, device="cuda", seed=23, combined=combined)
+    case = add_hazards(case)
+    qsa._run_kernels(*args_of(case), num_splits=config[4], config=config)
+    torch.cuda.synchronize()
+    assert_close(case["out"], ref_of(case))
+    assert (case["out"][1] == 0).all() and (case["out"][3] == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_cluster_graph_and_misuse(strict):
+    config = (4, 3, 4, 1, 8, 1024)
+    case = make_case(rows=4, hq=64, hkv=4, d=128, page=64, topk=512, width=16, num_blocks=64,
+                     num_requests=4, device="cuda", seed=2)
+    run = lambda: qsa._run_kernels(*args_of(case), num_splits=8, config=config)  # noqa: E731
+    run()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in (5, 6):
+        fresh = make_case(rows=4, hq=64, hkv=4, d=128, page=64, topk=512, width=16,
+                          num_blocks=64, num_requests=4, device="cuda", seed=seed)
+        for key in ("q", "k_cache", "v_cache", "logical_indices", "block_table", "token_to_req",
+                    "output_gate"):
+            case[key].copy_(fresh[key])
+        case["out"].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(case["out"], ref_of(case))
+    with pytest.raises(ValueError, match="cluster"):
+        qsa._run_kernels(*args_of(case), num_splits=4, config=config)
+    with pytest.raises(ValueError, match="slot_cap"):  # 512 entries / 2 splits > 128
+        qsa._run_kernels(*args_of(case), num_splits=2, config=(4, 3, 4, 1, 2, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, topk", [(4, 256), (2, 2048), (20, 1000)])
+def test_gpu_dispatch_with_cluster_split_k(rows, topk, monkeypatch, strict):
+    """The dispatcher's cluster plan (when switched on) and its warm-up."""
+    monkeypatch.setattr(qsa, "SPLIT_K_CLUSTER", True)
+    kv = torch.zeros(8, 4, 64, 256, dtype=torch.uint8, device="cuda")
+    ready = warmup_qsa_fp8_decode(kv, torch.zeros(2, 4, dtype=torch.int32, device="cuda"),
+                                  num_query_heads=32, selection_width=topk)
+    assert "qsa_decode_cluster" in {name for name, _ in ready}
+    case = make_case(rows=rows, hq=32, hkv=4, d=128, page=64, topk=topk, width=-(-topk // 64) + 2,
+                     num_blocks=200, num_requests=3, device="cuda", seed=rows)
+    got = qsa_sparse_paged_attention(*args_of(add_hazards(case)))
+    torch.cuda.synchronize()
+    assert_close(got, ref_of(case))
 
 
 @pytest.mark.gpu
@@ -446,7 +556,7 @@ def test_gpu_warmup_then_no_compile(jit_cache, strict):
     kv = torch.zeros(8, 2, 64, 256, dtype=torch.uint8, device="cuda")
     bt = torch.zeros(2, 4, dtype=torch.int32, device="cuda")
     ready = warmup_qsa_fp8_decode(kv, bt, num_query_heads=16, selection_width=512)
-    assert {name for name, _ in ready} == {"qsa_slots", "qsa_decode"}
+    assert {name for name, _ in ready} >= {"qsa_slots", "qsa_decode"}
     # Every kernel a call can reach is now loaded: a later call compiles nothing.
     os.environ["FLASHINFER_JIT_DISABLE"] = "1"
     try:
