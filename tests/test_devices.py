@@ -7,7 +7,7 @@ import threading
 import pytest
 
 import jit_kernels.family as family_mod
-from jit_kernels import CubinCache, KernelBuilder, KernelFamily
+from jit_kernels import CubinCache, KernelBuilder, KernelFamily, KernelUnavailable
 
 from .test_engine import TEMPLATES
 
@@ -69,3 +69,16 @@ def test_threads_share_compiles(two_devices):
     assert len(results) == 8 and all(k.device in (0, 1) for k in results)
     assert compiled == [("mla_kv_pack[num_heads=12,unroll=6]", "sm_90a")]
     assert len({id(k) for k in results if k.device == 0}) == 1
+
+
+def test_jit_disabled_uses_only_prebuilt(two_devices, monkeypatch):
+    fam, compiled = two_devices
+    monkeypatch.setenv("FLASHINFER_JIT_DISABLE", "1")
+    with pytest.raises(KernelUnavailable, match="not prebuilt"):
+        fam.get((0, 4), 0)
+    assert compiled == []
+    monkeypatch.delenv("FLASHINFER_JIT_DISABLE")
+    fam.get((0, 4), 0)  # compiles into the cache
+    monkeypatch.setenv("FLASHINFER_JIT_DISABLE", "1")
+    assert fam.get((0, 4), 1).device == 1  # found in the cache, no compiler needed
+    assert len(compiled) == 1
