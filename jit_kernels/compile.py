@@ -136,4 +136,6 @@ def _compile_cute(rendered: RenderedSource, arch: str) -> tuple[bytes, str]:
         try:
             return module.build(rendered.spec.param_dict, arch)
         except Exception as exc:  # the DSL raises many types; surface them uniformly
-            raise CompileError(rendered.spec.label, arch, repr(exc), _keep_source(rendered)) from exc
+            raise CompileError(
+                rendered.spec.label, arch, repr(exc), _keep_source(rendered)
+            ) from exc

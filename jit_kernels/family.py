@@ -48,7 +48,10 @@ class KernelFamily:
         if len(params) != len(self.param_names):
             raise ValueError(f"{self.family} takes parameters {self.param_names}, got {params}")
         return KernelSpec(
-            self.family, self.template, self.kernel, tuple(zip(self.param_names, params, strict=True)),
+            self.family,
+            self.template,
+            self.kernel,
+            tuple(zip(self.param_names, params, strict=True)),
             self.compiler,
         )
 
@@ -60,7 +63,9 @@ class KernelFamily:
         spec = self.spec(params)
         arch = device_arch(device)
         if os.environ.get(JIT_DISABLE_ENV) == "1":
-            compiled = self.builder.cache.lookup(arch, spec.family, self.builder.cache_key(spec, arch))
+            compiled = self.builder.cache.lookup(
+                arch, spec.family, self.builder.cache_key(spec, arch)
+            )
             if compiled is None:
                 raise KernelUnavailable(
                     f"{spec.label} for {arch} is not prebuilt and {JIT_DISABLE_ENV}=1"

@@ -99,8 +99,31 @@ class LoadedKernel:
         from cuda.bindings import driver
 
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _check(driver.cuFuncSetAttribute(self.function, attr, nbytes), f"{self.name}: smem {nbytes}")
+        _check(
+            driver.cuFuncSetAttribute(self.function, attr, nbytes), f"{self.name}: smem {nbytes}"
+        )
         self._smem_limit = nbytes
+
+    def blocks_per_sm(self, threads: int, smem: int = 0) -> int:
+        """How many blocks of ``threads`` with ``smem`` dynamic bytes fit one SM (0: the
+        launch would fail, e.g. registers x threads exceed the register file)."""
+        from cuda.bindings import driver
+
+        if smem > self._smem_limit:
+            self._allow_smem(smem)
+        return int(
+            _check(
+                driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, threads, smem),
+                f"{self.name}: occupancy",
+            )
+        )
+
+    def num_regs(self) -> int:
+        """Registers per thread of the compiled kernel."""
+        from cuda.bindings import driver
+
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS
+        return int(_check(driver.cuFuncGetAttribute(attr, self.function), f"{self.name}: regs"))
 
     def launch(
         self,

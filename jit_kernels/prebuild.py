@@ -43,7 +43,9 @@ def _run(task: BuildTask, template_root: Path, version: str, output: Path | None
     try:
         _, compiled = _builder(template_root, version, output).build(task.spec, task.arch)
     except Exception as exc:  # a failed kernel is reported, the others still build
-        return BuildResult(task, "failed", time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
+        return BuildResult(
+            task, "failed", time.perf_counter() - start, f"{type(exc).__name__}: {exc}"
+        )
     return BuildResult(task, "compiled" if compiled else "cached", time.perf_counter() - start)
 
 

@@ -37,8 +37,14 @@ def two_devices(monkeypatch, tmp_path):
         return result
 
     builder.build = counting_build
-    fam = KernelFamily(builder, "mla_kv_pack", "mla_kv_pack.cuh", "fij_mla::concat_mla_kv_quant_fp8",
-                       ("num_heads", "unroll"), ("P",))
+    fam = KernelFamily(
+        builder,
+        "mla_kv_pack",
+        "mla_kv_pack.cuh",
+        "fij_mla::concat_mla_kv_quant_fp8",
+        ("num_heads", "unroll"),
+        ("P",),
+    )
     return fam, compiled
 
 
@@ -47,8 +53,12 @@ def test_one_compile_per_arch_one_load_per_device(two_devices):
     for device in (0, 1, 0, 1, 2):
         kernel = fam.get((0, 4), device)
         assert kernel.device == device  # a handle is only ever the one loaded on that device
-    assert sorted(compiled) == sorted([("mla_kv_pack[num_heads=0,unroll=4]", "sm_90a"),
-                                       ("mla_kv_pack[num_heads=0,unroll=4]", "sm_100a")])
+    assert sorted(compiled) == sorted(
+        [
+            ("mla_kv_pack[num_heads=0,unroll=4]", "sm_90a"),
+            ("mla_kv_pack[num_heads=0,unroll=4]", "sm_100a"),
+        ]
+    )
     assert sorted(d for _, d in _FakeLoaded.loads) == [0, 1, 2]
 
 

@@ -29,7 +29,9 @@ from jit_kernels import compile as compile_mod
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATES = REPO / "templates"
 SPEC = KernelSpec(
-    "mla_kv_pack", "mla_kv_pack.cuh", "fij_mla::concat_mla_kv_quant_fp8",
+    "mla_kv_pack",
+    "mla_kv_pack.cuh",
+    "fij_mla::concat_mla_kv_quant_fp8",
     (("num_heads", 0), ("unroll", 4)),
 )
 
@@ -106,7 +108,12 @@ print("compiled" if compiled else "cached", len(kernel.cubin))
 def test_eight_processes_one_cold_key(tmp_path):
     script = _RACE.format(repo=str(REPO), root=str(tmp_path), templates=str(TEMPLATES))
     procs = [
-        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(8)
     ]
     outputs = [p.communicate(timeout=300) for p in procs]
@@ -115,7 +122,11 @@ def test_eight_processes_one_cold_key(tmp_path):
     assert words.count("compiled") == 1, words  # the rest waited on the lock and reused it
     assert len({out.split()[1] for out, _ in outputs}) == 1
     assert len(_cubin_files(tmp_path)) == 1
-    leftovers = [p for p in tmp_path.rglob("*") if p.is_file() and p.suffix not in (".cubin", ".json", ".lock")]
+    leftovers = [
+        p
+        for p in tmp_path.rglob("*")
+        if p.is_file() and p.suffix not in (".cubin", ".json", ".lock")
+    ]
     assert leftovers == []
 
 
@@ -184,7 +195,11 @@ def test_arg_packer_layout():
     assert struct.unpack_from("<i", data, 8)[0] == -5
     assert struct.unpack_from("<q", data, 16)[0] == 1 << 40
     assert struct.unpack_from("<f", data, 24)[0] == 1.5
-    assert struct.unpack_from("<Qi4xq", data, 32) == (7, 9, 11)  # C layout of {void*; int; long long}
+    assert struct.unpack_from("<Qi4xq", data, 32) == (
+        7,
+        9,
+        11,
+    )  # C layout of {void*; int; long long}
 
 
 # -- dispatch --------------------------------------------------------------------------------
@@ -213,8 +228,22 @@ def test_prebuild_bundle_for_three_archs(tmp_path):
     from flashinfer_jit.cli import main
 
     out = tmp_path / "bundle"
-    assert main(["prebuild", "--ops", "mla_kv_pack", "--arch", "sm_90a,sm_100a,sm_103a",
-                 "-j", "1", "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "prebuild",
+                "--ops",
+                "mla_kv_pack",
+                "--arch",
+                "sm_90a,sm_100a,sm_103a",
+                "-j",
+                "1",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     by_arch: dict[str, list[Path]] = {}
     for cubin in _cubin_files(out):
         by_arch.setdefault(cubin.relative_to(out).parts[1], []).append(cubin)
@@ -224,14 +253,25 @@ def test_prebuild_bundle_for_three_archs(tmp_path):
         for cubin in cubins:
             assert _elf_sm(cubin) == int(arch[3:-1])
             if cuobjdump:
-                header = subprocess.run([cuobjdump, "-elf", str(cubin)], capture_output=True, text=True).stdout
+                header = subprocess.run(
+                    [cuobjdump, "-elf", str(cubin)], capture_output=True, text=True
+                ).stdout
                 assert f"sm={arch[3:]}" in header, header[:200]
     # Relocatable: the bundle works from another place, as a prebuilt dir.
     moved = tmp_path / "moved"
     shutil.move(out, moved)
-    env = {**os.environ, "FLASHINFER_JIT_CUBIN_PATH": str(moved), "FLASHINFER_JIT_CACHE_DIR": str(tmp_path / "empty")}
-    verify = subprocess.run([sys.executable, "-m", "flashinfer_jit.cli", "cache", "verify"],
-                            cwd=REPO, env=env, capture_output=True, text=True)
+    env = {
+        **os.environ,
+        "FLASHINFER_JIT_CUBIN_PATH": str(moved),
+        "FLASHINFER_JIT_CACHE_DIR": str(tmp_path / "empty"),
+    }
+    verify = subprocess.run(
+        [sys.executable, "-m", "flashinfer_jit.cli", "cache", "verify"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "0 bad" in verify.stdout
 

@@ -14,9 +14,25 @@ def _inputs(tokens: int, heads: int, device: str = "cuda"):
     kv = torch.randn(tokens, heads, 256, device=device).mul_(200).to(torch.bfloat16)
     pe = torch.randn(tokens, 64, device=device).mul_(200).to(torch.bfloat16)
     # Adversarial values in every call: saturation, rounding ties, NaN/inf, denormals.
-    special = torch.tensor([0.0, -0.0, 448, -448, 449, 464, -465, 1e30, float("inf"),
-                            -float("inf"), float("nan"), 2.0**-9, 2.0**-10, 1.5 * 2.0**-9],
-                           device=device).to(torch.bfloat16)
+    special = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            448,
+            -448,
+            449,
+            464,
+            -465,
+            1e30,
+            float("inf"),
+            -float("inf"),
+            float("nan"),
+            2.0**-9,
+            2.0**-10,
+            1.5 * 2.0**-9,
+        ],
+        device=device,
+    ).to(torch.bfloat16)
     kv.view(-1)[: special.numel()] = special
     pe.view(-1)[: special.numel()] = special
     return kv, pe
@@ -33,8 +49,12 @@ def _torch_reference(kv, pe):
 def test_specialized_matches_torch_bit_exact(tokens, heads, monkeypatch):
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a fallback would make this vacuous
     kv, pe = _inputs(tokens, heads)
-    key = torch.full((tokens, heads, 192), 0x55, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
-    value = torch.full((tokens, heads, 128), 0x55, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    key = torch.full((tokens, heads, 192), 0x55, dtype=torch.uint8, device="cuda").view(
+        torch.float8_e4m3fn
+    )
+    value = torch.full((tokens, heads, 128), 0x55, dtype=torch.uint8, device="cuda").view(
+        torch.float8_e4m3fn
+    )
     concat_mla_kv_quant_fp8(kv, pe, key, value, backend="specialized")
     ref_key, ref_value = _torch_reference(kv, pe)
     assert torch.equal(key.view(torch.uint8), ref_key.view(torch.uint8))
@@ -44,7 +64,9 @@ def test_specialized_matches_torch_bit_exact(tokens, heads, monkeypatch):
 def test_cuda_graph_replay_sees_new_inputs(monkeypatch):
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
     kv, pe = _inputs(40, 16)
-    key, value = concat_mla_kv_quant_fp8(kv, pe, backend="specialized")  # warm: load outside capture
+    key, value = concat_mla_kv_quant_fp8(
+        kv, pe, backend="specialized"
+    )  # warm: load outside capture
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

@@ -27,11 +27,23 @@ def test_wheel_installs_and_builds_outside_the_tree(tmp_path):
     )
     (wheel,) = wheel_dir.glob("flashinfer_jit-*.whl")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(site),
+            str(wheel),
+        ],
         check=True,
     )
     assert (site / "flashinfer_jit" / "templates" / "mla_kv_pack.cuh").is_file()
     script = _CHECK.format(site=str(site), out=str(tmp_path / "bundle"))
-    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert list((tmp_path / "bundle").rglob("*.cubin"))

@@ -30,7 +30,9 @@ print((time.perf_counter() - start) * 1e3)
 def first_call_ms(cache: str, heads: int) -> float:
     env = {**os.environ, "FLASHINFER_JIT_CACHE_DIR": cache, "FLASHINFER_JIT_STRICT": "1"}
     script = _FIRST_CALL.format(repo=str(REPO), tokens=64, heads=heads)
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -92,13 +94,31 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as cache:
         for heads in (12, 16):  # the two specialized variants (12 unrolled, runtime heads)
-            rows.append((f"cold first call, heads={heads} (NVRTC compile + load)", first_call_ms(cache, heads), "ms"))
-            rows.append((f"warm first call, heads={heads} (disk cache + load)", first_call_ms(cache, heads), "ms"))
+            rows.append(
+                (
+                    f"cold first call, heads={heads} (NVRTC compile + load)",
+                    first_call_ms(cache, heads),
+                    "ms",
+                )
+            )
+            rows.append(
+                (
+                    f"warm first call, heads={heads} (disk cache + load)",
+                    first_call_ms(cache, heads),
+                    "ms",
+                )
+            )
         import json
 
         for meta in Path(cache).rglob("*.json"):
             record = json.loads(meta.read_text())
-            rows.append((f"compile seconds {record['label']} {record['arch']}", record["compile_seconds"], "s"))
+            rows.append(
+                (
+                    f"compile seconds {record['label']} {record['arch']}",
+                    record["compile_seconds"],
+                    "s",
+                )
+            )
     for name, value in hot_overhead_us().items():
         rows.append((f"host time per call: {name}", value, "us"))
     width = max(len(r[0]) for r in rows)
