@@ -1,22 +1,19 @@
-"""Benchmark QSA fp8 sparse paged decode on a GPU: designs, gather ceiling, crossover, issue table.
+"""Benchmark QSA fp8 sparse paged decode on a GPU: split-count sweep, crossover, issue table.
 
-    python tools/bench_qsa.py [--no-designs] [--no-sweep]      # about 2 minutes on the H200
-    python tools/bench_qsa.py --ncu-one [--ncu-config W,S,C,H]  # ONE decode launch, rows=512
+    python tools/bench_qsa.py [--no-sweep]            # about 1.5 minutes on the H200
+    python tools/bench_qsa.py --ncu-one [--splits K]  # ONE decode launch, rows=512 (for ncu)
 
 Inputs follow the issue: D=128, page 64, valid_count uniform in [topk/2, topk] and -1 past
 it, logical indices drawn without replacement from a 16K-token context per request, pages
-scattered over a 6 GiB pool. Two cache layouts over the same pool bytes:
-  * combined: the serving cache [blocks, Hkv, page, 2D] transposed and split (a token's K
-    and V of one kv head are 256 contiguous bytes; kv heads are page * 2D bytes apart);
-  * separate: two contiguous [blocks, page, Hkv, D] caches (a token's K of all kv heads is
-    Hkv * D contiguous bytes, its V likewise).
-and two selection orders: random (as the top-k hands it over) and sorted ascending.
-"probe" is a kernel that only gathers the same bytes (templates/qsa_slots.cuh,
-qsa_gather_probe): the access pattern's ceiling on this memory system. Designs are the
-decode's (warps, stages, min CTAs/SM, kv heads per CTA) configs. Several input sets rotate
-so L2 does not hold one call's gathers for the next; every design is checked against the
-torch path before it is timed (a failure prints and the run goes on). Times are CUDA-graph
-replays per call. The issue table prints last.
+scattered over a 6 GiB pool, the cache being the serving layout [blocks, Hkv, page, 2D]
+transposed and split (zero-copy). "probe" is a kernel that only gathers the same bytes
+(templates/qsa_probe.cuh): the access pattern's ceiling on this memory system. k is the
+split count: 1 the single pass (slot pass + decode), k > 1 a thread block cluster of k
+CTAs per (row, kv head), "f" resolving its slots in the kernel (one launch), "s" after the
+slot pass. Several input sets rotate so L2 does not hold one call's gathers for the next;
+every variant is checked against the torch path before it is timed (a failure prints and
+the run goes on). Times are CUDA-graph replays per call, whole call. The issue table
+prints last.
 """
 
 from __future__ import annotations
@@ -47,16 +44,12 @@ ISSUE_SHAPES = {
     (4, 64, 4, 2048): ("- / 119 (graph 46)", 10),
     (256, 32, 8, 4096): ("- / 590", None),
 }
-# Decode designs: (num_warps, num_stages, min_ctas, heads_per_cta).
-DESIGNS = {
-    "h1 w4": (4, 3, 4, 1),
-    "h2 w4": (4, 3, 4, 2),
-    "h4 w4": (4, 3, 4, 4),
-    "h4 w8": (8, 2, 2, 4),
-}
+# Split variants timed per shape: (label, num_splits, fused).
+VARIANTS = [("k1", 1, False), ("k2 f", 2, True), ("k2 s", 2, False), ("k4 f", 4, True)]
+VARIANTS += [("k4 s", 4, False), ("k8 f", 8, True), ("k8 s", 8, False)]
 _probe_family = kernel_family(
     "qsa_gather_probe",
-    "qsa_slots.cuh",
+    "qsa_probe.cuh",
     "fij_qsa::qsa_gather_probe",
     ("head_dim",),
     ("P", "I", "I", "I", "P", "I", "I", "I", "P", "i", "P", "q", "i", "i", "i", "P"),
@@ -75,32 +68,15 @@ def pool(gib: float) -> torch.Tensor:
     return _pool[0]
 
 
-def caches(hkv: int, layout: str, gib: float):
+def make_sets(rows, hq, hkv, topk, n_sets, gib, seed=0):
+    """``n_sets`` argument tuples over one pool, each its own requests and selections."""
+    torch.manual_seed(seed)
     flat = pool(gib)
     blocks = flat.numel() // (hkv * PAGE * 2 * HEAD_DIM)
-    n = blocks * hkv * PAGE * 2 * HEAD_DIM
-    if layout == "combined":
-        kv = flat[:n].view(blocks, hkv, PAGE, 2 * HEAD_DIM)
-        k, v = kv.transpose(1, 2).split(HEAD_DIM, dim=-1)
-        return k, v
-    k = flat[: n // 2].view(blocks, PAGE, hkv, HEAD_DIM)
-    v = flat[n // 2 : n].view(blocks, PAGE, hkv, HEAD_DIM)
-    return k, v
-
-
-def make_sets(
-    rows, hq, hkv, topk, n_sets, gib, seed=0, layout="combined", order="random", span=None
-):
-    """``n_sets`` argument tuples over one pool, each its own requests and selections.
-
-    ``span``: the fraction of the pool's blocks the block tables draw from (all of it when
-    None), to separate the page-translation (TLB) reach from DRAM behaviour.
-    """
-    torch.manual_seed(seed)
-    k_cache, v_cache = caches(hkv, layout, gib)
+    kv = flat[: blocks * hkv * PAGE * 2 * HEAD_DIM].view(blocks, hkv, PAGE, 2 * HEAD_DIM)
+    k_cache, v_cache = kv.transpose(1, 2).split(HEAD_DIM, dim=-1)
     context = max(16384, 2 * topk)
     requests = min(max(rows * n_sets, 64), 512)
-    blocks = max(1, int(k_cache.shape[0] * (span or 1.0)))
     block_table = torch.randint(
         0, blocks, (requests, context // PAGE), dtype=torch.int32, device="cuda"
     )
@@ -108,28 +84,14 @@ def make_sets(
     for s in range(n_sets):
         idx = torch.rand(rows, context, device="cuda").argsort(dim=1)[:, :topk].to(torch.int32)
         count = torch.randint(topk // 2, topk + 1, (rows,), device="cuda", dtype=torch.int32)
-        valid = torch.arange(topk, device="cuda")[None, :] < count[:, None]
-        if order == "sorted":  # the valid prefix ascending; -1 stays past it
-            idx = torch.where(valid, idx, context).sort(dim=1).values
-        idx = torch.where(valid, idx, -1)
+        idx = torch.where(torch.arange(topk, device="cuda")[None, :] < count[:, None], idx, -1)
         indices = torch.cat([idx, count[:, None]], dim=1).contiguous()
         t2r = ((torch.arange(rows, device="cuda") + s * rows) % requests).to(torch.int32)
         q = torch.randn(rows, hq, HEAD_DIM, device="cuda").to(torch.bfloat16)
         gate = torch.randn(rows, hq, HEAD_DIM, device="cuda").to(torch.bfloat16)
-        sets.append(
-            (
-                q,
-                k_cache,
-                v_cache,
-                indices,
-                block_table,
-                t2r,
-                torch.empty_like(q),
-                gate,
-                1 / math.sqrt(HEAD_DIM),
-                1.0,
-            )
-        )
+        out = torch.empty_like(q)
+        scale = 1 / math.sqrt(HEAD_DIM)
+        sets.append((q, k_cache, v_cache, indices, block_table, t2r, out, gate, scale, 1.0))
     return sets
 
 
@@ -222,8 +184,8 @@ def kernel_breakdown(run, sets, reps=5) -> str:
     return ", ".join(f"{k} {v:.1f}" for k, v in sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def design(config, splits=1):
-    return lambda args: qsa._run_kernels(*args, num_splits=splits, config=config)
+def variant(splits: int, fused: bool):
+    return lambda args: qsa._run_kernels(*args, num_splits=splits, fused=fused)
 
 
 def dispatcher(args):
@@ -239,24 +201,12 @@ def probe_runner(sets):
         q, k, v, indices = args[:4]
         s = slots[id(args)]
         device = cuda_device_index(q)
+        counts = indices.data_ptr() + (indices.shape[1] - 1) * indices.stride(1) * 4
+        launch_args = (k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3])
+        launch_args += (s.data_ptr(), s.shape[1], counts, indices.stride(0), indices.shape[1] - 1)
+        launch_args += (qsa.offset_bits(PAGE), k.shape[2], sink.data_ptr())
         _probe_family.get((HEAD_DIM,), device).launch(
-            (q.shape[0], 8, 1),
-            (256, 1, 1),
-            current_stream(device),
-            (
-                k.data_ptr(),
-                *k.stride()[:3],
-                v.data_ptr(),
-                *v.stride()[:3],
-                s.data_ptr(),
-                s.shape[1],
-                indices.data_ptr() + (indices.shape[1] - 1) * indices.stride(1) * 4,
-                indices.stride(0),
-                indices.shape[1] - 1,
-                qsa._offset_bits(PAGE),
-                k.shape[2],
-                sink.data_ptr(),
-            ),
+            (q.shape[0], 8, 1), (256, 1, 1), current_stream(device), launch_args
         )
 
     return run
@@ -283,172 +233,42 @@ def timed(run, sets, expect):
         return f"ERR {type(exc).__name__}: {exc}"[:60]
 
 
-def best_of(times: dict):
-    ok = {k: v for k, v in times.items() if isinstance(v, float)}
-    return min(ok, key=ok.get) if ok else None
-
-
-def bench_designs(gib) -> None:
-    """Probe ceiling and every design, per shape x layout x selection order."""
-    print("\n== designs: graph µs per call (slot pass included; probe = gather only)")
-    rows_out = []
-    for shape in [(64, 64, 4, 2048), (512, 64, 4, 2048), (2048, 32, 4, 1024), (256, 32, 8, 4096)]:
-        rows, hq, hkv, topk = shape
-        for layout in ("combined", "separate"):
-            for order in ("random", "sorted"):
-                try:
-                    sets = make_sets(
-                        *shape, n_sets_for(rows, hkv, topk), gib, seed=3, layout=layout, order=order
-                    )
-                    expect = reference_of(sets[0])
-                    probe = time_graph(probe_runner(sets), sets)
-                    times = {
-                        name: timed(design(cfg), sets, expect)
-                        for name, cfg in DESIGNS.items()
-                        if hkv % cfg[3] == 0
-                    }
-                    floor = floor_us(sets[0])
-                    rows_out.append(
-                        [
-                            f"{rows}/{hq}/{hkv}/{topk}",
-                            layout,
-                            order,
-                            floor,
-                            probe,
-                            *[times.get(n) for n in DESIGNS],
-                            best_of(times),
-                        ]
-                    )
-                    del sets
-                except Exception as exc:
-                    traceback.print_exc()
-                    rows_out.append([f"{rows}/{hq}/{hkv}/{topk}", layout, order, f"ERR {exc}"[:60]])
-    print(
-        table(["rows/Hq/Hkv/topk", "layout", "order", "floor", "probe", *DESIGNS, "best"], rows_out)
-    )
-
-
-def bench_span(gib) -> None:
-    """rows=512: the probe and the default design as the pages' spread over the pool shrinks.
-
-    If time falls with the span well beyond what L2 (60 MB) can hold, the gather is bound by
-    address translation (TLB reach), not by DRAM.
-    """
-    print("\n== pool span, rows=512 Hq=64 Hkv=4 topk=2048 combined/random: graph µs per call")
-    out = []
-    for span_gib in (0.25, 0.5, 1.0, 2.0, 4.0, gib):
-        sets = make_sets(512, 64, 4, 2048, 2, gib, seed=6, span=span_gib / gib)
-        expect = reference_of(sets[0])
-        out.append(
-            [
-                span_gib,
-                time_graph(probe_runner(sets), sets),
-                timed(design(qsa.DECODE_CONFIG[HEAD_DIM]), sets, expect),
-                floor_us(sets[0]),
-            ]
-        )
-        del sets
-    print(table(["span GiB", "probe", "default design", "floor"], out))
-
-
-def bench_small(gib) -> None:
-    """rows=4: split counts x designs (split-K only: one (row, kv head) CTA is far too few)."""
-    print("\n== rows=4 Hq=64 Hkv=4 topk=2048, combined/random: graph µs per call by splits")
-    shape = (4, 64, 4, 2048)
-    sets = make_sets(*shape, 16, gib, seed=4)
+def sweep_row(shape, gib, seed, with_probe):
+    """[floor, probe, every VARIANTS time, best label, the dispatcher's k] of one shape."""
+    rows, hq, hkv, topk = shape
+    sets = make_sets(*shape, n_sets_for(rows, hkv, topk), gib, seed=seed)
     expect = reference_of(sets[0])
-    # Workspace split-K (slot pass + decode) and cluster split-K, whose splits merge through
-    # DSMEM (cluster = splits <= 8), with the slot pass ("slots") or slots resolved in the
-    # kernel ("fused": the call is one launch).
-    configs = {
-        "h1 w4": lambda k: (4, 3, 4, 1),
-        "h1 w8": lambda k: (8, 2, 2, 1),
-        "h2 w8": lambda k: (8, 2, 2, 2),
-        "h4 w8": lambda k: (8, 2, 2, 4),
-        "cluster h1 w4 slots": lambda k: (4, 3, 4, 1, k, 0),
-        "cluster h1 w4 fused": lambda k: cluster_cfg((4, 3, 4, 1), k, 2048),
-        "cluster h1 w8 fused": lambda k: cluster_cfg((8, 2, 2, 1), k, 2048),
-        "cluster h2 w8 fused": lambda k: cluster_cfg((8, 2, 2, 2), k, 2048),
-    }
-    splits_list = (2, 4, 8, 16, 32)
-    out = []
-    for name, cfg in configs.items():
-        cells = []
-        for k in splits_list:
-            c = cfg(k)
-            cells.append(None if len(c) > 4 and k > 8 else timed(design(c, k), sets, expect))
-        out.append([name, *cells])
-    print(table(["design", *[f"split {k}" for k in splits_list]], out))
-    print(f"dispatcher kernels: {kernel_breakdown(dispatcher, sets)}")
-    fused = design(cluster_cfg((4, 3, 4, 1), 8, 2048), 8)
-    print(f"cluster h1 w4 fused, 8 splits, kernels: {kernel_breakdown(fused, sets)}")
-
-
-def cluster_cfg(base, splits: int, topk: int):
-    """A fused cluster config: the slot list sized to one split's share (pow2, >= 256)."""
-    chunks = -(-topk // 16)
-    per_split = -(-chunks // splits) * 16
-    cap = max(256, 1 << (per_split - 1).bit_length())
-    return (*base, splits, cap if cap <= 4096 else 0)
-
-
-def bench_sweep(gib) -> None:
-    """Single pass (each design) vs split-K vs the dispatcher, G=16, Hkv=4."""
-    print("\n== crossover sweep: graph µs, G=16 Hkv=4 combined/random")
-    out = []
-    for topk in (2048, 8192):
-        for rows in (16, 32, 64, 128, 256):
-            shape = (rows, 64, 4, topk)
-            try:
-                sets = make_sets(*shape, n_sets_for(rows, 4, topk), gib, seed=rows)
-                expect = reference_of(sets[0])
-                single = {n: timed(design(DESIGNS[n]), sets, expect) for n in ("h1 w4", "h4 w8")}
-                clus = {
-                    k: timed(design(cluster_cfg((4, 3, 4, 1), k, topk), k), sets, expect)
-                    for k in (2, 4, 8)
-                }
-                ck = best_of(clus)
-                split = {k: timed(design(DESIGNS["h1 w4"], k), sets, expect) for k in (2, 4, 8)}
-                bk = best_of(split)
-                auto = qsa._pick_splits(rows, 4, topk, torch.cuda.current_device())
-                out.append(
-                    [
-                        topk,
-                        rows,
-                        rows * 4,
-                        single["h1 w4"],
-                        single["h4 w8"],
-                        split.get(bk),
-                        bk,
-                        clus.get(ck),
-                        ck,
-                        auto,
-                        time_graph(dispatcher, sets),
-                        floor_us(sets[0]),
-                    ]
-                )
-                del sets
-            except Exception as exc:
-                out.append([topk, rows, rows * 4, f"ERR {exc}"[:60]])
-    print(
-        table(
-            [
-                "topk",
-                "rows",
-                "rows*Hkv",
-                "single h1",
-                "single h4w8",
-                "best split",
-                "best k",
-                "best cluster",
-                "cluster k",
-                "auto k",
-                "dispatch",
-                "floor",
-            ],
-            out,
-        )
+    times = {}
+    for label, splits, fused in VARIANTS:
+        if fused and not qsa._fused_fits(topk, splits):
+            continue
+        times[label] = timed(variant(splits, fused), sets, expect)
+    ok = {k: v for k, v in times.items() if isinstance(v, float)}
+    probe = time_graph(probe_runner(sets), sets) if with_probe else None
+    k = (
+        1
+        if qsa.use_fp8_decode_kernel(rows * hkv, torch.uint8)
+        else qsa.split_count(rows, hkv, topk)
     )
+    best = min(ok, key=ok.get) if ok else None
+    return [floor_us(sets[0]), probe, *[times.get(v[0]) for v in VARIANTS], best, k]
+
+
+def bench_splits(gib, shapes, title, with_probe) -> None:
+    print(f"\n== {title}: graph µs per call (k1 = single pass; f/s = fused slots/slot pass)")
+    out = []
+    for i, shape in enumerate(shapes):
+        rows, hq, hkv, topk = shape
+        try:
+            out.append(
+                [f"{rows}/{hq}/{hkv}/{topk}", rows * hkv, *sweep_row(shape, gib, i, with_probe)]
+            )
+        except Exception as exc:
+            traceback.print_exc()
+            out.append([f"{rows}/{hq}/{hkv}/{topk}", rows * hkv, f"ERR {exc}"[:60]])
+        torch.cuda.empty_cache()
+    head = ["rows/Hq/Hkv/topk", "rows*Hkv", "floor", "probe", *[v[0] for v in VARIANTS]]
+    print(table([*head, "best", "rule k"], out))
 
 
 def bench_issue(gib) -> None:
@@ -466,43 +286,15 @@ def bench_issue(gib) -> None:
             eager = time_eager(dispatcher, sets)
             floor = floor_us(sets[0])
             print(f"kernels {rows}/{hq}/{hkv}/{topk}: {kernel_breakdown(dispatcher, sets)}")
-            out.append(
-                [
-                    rows,
-                    hq,
-                    hkv,
-                    topk,
-                    ours,
-                    eager,
-                    floor,
-                    f"{100 * floor / ours:.0f}%",
-                    triton,
-                    target,
-                    "PASS" if target is None or ours <= target else "MISS",
-                ]
-            )
+            verdict = "PASS" if target is None or ours <= target else "MISS"
+            pct = f"{100 * floor / ours:.0f}%"
+            out.append([rows, hq, hkv, topk, ours, eager, floor, pct, triton, target, verdict])
             del sets
         except Exception as exc:
             traceback.print_exc()
             out.append([rows, hq, hkv, topk, f"ERR {type(exc).__name__}: {exc}"[:70]])
-    print(
-        table(
-            [
-                "rows",
-                "Hq",
-                "Hkv",
-                "topk",
-                "our µs",
-                "eager µs",
-                "floor µs",
-                "% of floor",
-                "Triton µs (FACTS)",
-                "target µs",
-                "verdict",
-            ],
-            out,
-        )
-    )
+    head = ["rows", "Hq", "Hkv", "topk", "our µs", "eager µs", "floor µs", "% of floor"]
+    print(table([*head, "Triton µs (FACTS)", "target µs", "verdict"], out))
 
 
 def copy_bandwidth() -> float:
@@ -520,41 +312,38 @@ def copy_bandwidth() -> float:
     return 2 * 10 * a.numel() / (start.elapsed_time(end) * 1e-3) / 1e12
 
 
-def ncu_one(gib: float, config) -> None:
-    """Exactly one decode launch (rows=512 Hq=64 Hkv=4 topk=2048, combined, random)."""
+def ncu_one(gib: float, splits: int) -> None:
+    """Exactly one decode launch (rows=512 Hq=64 Hkv=4 topk=2048), after its slot pass."""
     args = make_sets(512, 64, 4, 2048, 1, gib, seed=5)[0]
-    qsa._run_kernels(*args, num_splits=1, config=config)
+    qsa._run_kernels(*args, num_splits=splits, fused=False)
     torch.cuda.synchronize()
-    print(f"one qsa_decode launch done, config {config or qsa.DECODE_CONFIG[HEAD_DIM]}")
+    print(f"one decode launch done: {splits} split(s), config {qsa.DECODE_CONFIG[HEAD_DIM]}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--no-designs", action="store_true")
-    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--no-sweep", action="store_true", help="issue shapes and table only")
     parser.add_argument("--gib", type=float, default=6.0, help="cache pool size")
     parser.add_argument("--ncu-one", action="store_true", help="one decode launch, then exit")
-    parser.add_argument("--ncu-config", default=None, help="W,S,C,H for --ncu-one")
+    parser.add_argument("--splits", type=int, default=1, help="split count for --ncu-one")
     opts = parser.parse_args()
     if opts.ncu_one:
-        cfg = tuple(int(x) for x in opts.ncu_config.split(",")) if opts.ncu_config else None
-        ncu_one(opts.gib, cfg)
+        ncu_one(opts.gib, opts.splits)
         return
     print(
         f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
         f"copy {copy_bandwidth():.2f} TB/s (read + write)"
     )
     print(
-        f"dispatch: single pass when rows*Hkv >= {qsa.DECODE_MIN_PROGRAMS}; "
-        f"configs (warps, stages, min CTAs/SM, heads/CTA) {qsa.DECODE_CONFIG}"
+        f"dispatch: single pass when rows*Hkv >= {qsa.DECODE_MIN_PROGRAMS}, else a cluster of "
+        f"split_count() CTAs; decode configs (warps, stages, min CTAs/SM) {qsa.DECODE_CONFIG}"
     )
-    sections = [
-        (not opts.no_designs, bench_designs),
-        (not opts.no_designs, bench_span),
-        (not opts.no_designs, bench_small),
-        (not opts.no_sweep, bench_sweep),
-        (True, bench_issue),
-    ]
+    sections = [(True, lambda gib: bench_splits(gib, list(ISSUE_SHAPES), "issue shapes", True))]
+    crossover = [(r, 64, 4, t) for t in (2048, 8192) for r in (16, 64, 256)]
+    sections.append(
+        (not opts.no_sweep, lambda gib: bench_splits(gib, crossover, "G=16 Hkv=4", False))
+    )
+    sections.append((True, bench_issue))
     for enabled, section in sections:
         if enabled:
             try:
