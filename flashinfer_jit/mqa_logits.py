@@ -36,11 +36,14 @@ from .mqa_logits_checks import (
     launch_config,
     min_block_table_width,
     padded_seq_len,
+    reg_cap,
+    ring_regs,
     ring_stages,
     signature,
     sm_count,
     validate_preconditions,
 )
+from .mqa_logits_fast import FAST, fast_allowed, remember
 from .mqa_logits_generic import generic_plan, generic_specs
 from .mqa_logits_ref import paged_mqa_logits_torch
 from .mqa_logits_schedule import (
@@ -60,57 +63,59 @@ WORKLOADS = "mqa_logits_workloads.json"
 
 
 # -- the logits kernel family -------------------------------------------------------------
+_PARAMS = (
+    "next_n",
+    "num_heads",
+    "head_dim",
+    "block_size",
+    "output_dtype",
+    "epi_dtype",
+    "acc_dtype",
+)
 _logits_family = kernel_family(
     "mqa_logits",
     "mqa_logits.cuh",
     "fij_mqa::paged_mqa_logits",
-    (
-        "next_n",
-        "num_heads",
-        "head_dim",
-        "block_size",
-        "output_dtype",
-        "epi_dtype",
-        "acc_dtype",
-        "warpgroups",
-        "stages",
-        "portable",
-        "ring",
-    ),
+    (*_PARAMS, "warpgroups", "stages", "portable", "ring"),
     ("P", "P", "P", "P", "q", "P", "q", "P", "P", "q", "i"),
 )
 
-# (warpgroups, stages, portable, ring) forced by tools/bench_mqa_logits.py and the tests to
-# compare variants; stages 0 means "as many as fit" for the ring kernel.
-_config_override: tuple[int, int, bool, bool] | None = None
+# (warpgroups, stages, portable, ring) forced by tools/bench_mqa_logits.py and the tests
+# to compare variants; stages 0 means "as many as fit" for the ring kernel. `portable`
+# (mma.sync on widened fragments, the sm_100a/sm_103a code path) is never chosen on
+# sm_90a: it exists so the H200 tests cover what the other arches run.
+_config_override: tuple | None = None
 _force_generic = False  # tests and the benchmark: always use the generic kernel
 
 
 def _params(next_n: int, heads: int, dim: int, block_size: int, output_dtype, epi_dtype, acc_dtype):
-    if _config_override is not None:
+    """The specialization's template parameters: the dispatcher's choice (launch_config)
+    unless ``_config_override`` forces a variant."""
+    n = next_n * heads
+    if _config_override is None:
+        warpgroups, stages, ring = launch_config(n, dim)
+        portable = False
+    else:
         warpgroups, stages, portable, ring = _config_override
+        # Forced configs whose accumulators cannot fit the block's register cap would fail
+        # to compile (ptxas C7602) or spill: refuse them (the generic kernel serves).
+        need, cap = (
+            ring_regs(n, dim) if ring else n // 2 + 40,
+            reg_cap(128 * warpgroups + 32 * ring),
+        )
+        if need > cap:
+            raise KernelUnavailable(
+                f"forced config {_config_override}: ~{need} registers a thread exceed the cap "
+                f"of {warpgroups} warpgroups ({cap})"
+            )
         if ring and stages == 0:
-            stages = ring_stages(next_n * heads, dim, warpgroups)
+            stages = ring_stages(n, dim, warpgroups)
         if ring and (stages < 1 or stages % warpgroups):
             raise KernelUnavailable(
                 f"ring stages {stages} must be a positive multiple of {warpgroups}"
             )
-    else:
-        warpgroups, stages, ring = launch_config(next_n * heads, dim)
-        portable = False
-    return (
-        next_n,
-        heads,
-        dim,
-        block_size,
-        output_dtype,
-        epi_dtype,
-        acc_dtype,
-        warpgroups,
-        stages,
-        portable,
-        ring,
-    )
+    geometry = (next_n, heads, dim, block_size, output_dtype, epi_dtype, acc_dtype)
+    return (*geometry, warpgroups, stages, portable, ring)
 
 
 def _kernel_refusal(q, kv_fused) -> str | None:
@@ -129,6 +134,18 @@ def _kernel_refusal(q, kv_fused) -> str | None:
 _plans: dict[tuple, tuple] = {}
 
 
+def _launchable(plan: tuple, what: str) -> tuple:
+    """``plan`` if one block fits an SM (registers x threads, shared memory), else
+    KernelUnavailable: a config that cannot launch is refused here, never at launch time."""
+    kernel, _, block, smem, _ = plan
+    if kernel.blocks_per_sm(block[0], smem) < 1:
+        raise KernelUnavailable(
+            f"{what} cannot launch: {kernel.num_regs()} registers x {block[0]} threads, "
+            f"{smem} bytes of shared memory do not fit one SM"
+        )
+    return plan
+
+
 def _plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int) -> tuple:
     """(kernel, grid, block, smem, extra args): the specialization, else the generic kernel."""
     jit_off = os.environ.get("FLASHINFER_JIT_DISABLE") == "1"
@@ -145,19 +162,21 @@ def _plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int) -> tuple:
     plan = _plans.get(key)
     if plan is None:
         _, next_n, heads, dim, block_size = geometry
+        dtypes = (output_dtype, epi_dtype, acc_dtype)
         if _force_generic:
-            plan = generic_plan(geometry, output_dtype, epi_dtype, acc_dtype, device, "forced")
+            plan = _launchable(generic_plan(geometry, *dtypes, device, "forced"), "generic kernel")
         else:
-            params = _params(next_n, heads, dim, block_size, output_dtype, epi_dtype, acc_dtype)
             try:
+                params = _params(next_n, heads, dim, block_size, *dtypes)
                 kernel = _logits_family.get(params, device)
-            except KernelUnavailable as exc:
-                plan = generic_plan(geometry, output_dtype, epi_dtype, acc_dtype, device, str(exc))
-            else:
-                warpgroups, stages, _, ring = params[7:]
+                warpgroups, stages, _, ring = params[7:11]
                 smem = kernel_smem(next_n * heads, dim, warpgroups, stages, ring)
                 threads = 128 * warpgroups + (32 if ring else 0)  # the ring kernel's producer warp
                 plan = (kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, ())
+                plan = _launchable(plan, kernel.name)
+            except KernelUnavailable as exc:
+                plan = generic_plan(geometry, *dtypes, device, str(exc))
+                plan = _launchable(plan, "generic kernel")
         _plans[key] = plan
     return plan
 
@@ -174,9 +193,11 @@ def _launch(
     epi_dtype,
     acc_dtype,
     geometry,
-) -> None:
+) -> tuple:
+    """Launch; return the plan used."""
     device = cuda_device_index(q)
-    kernel, grid, block, smem, extra = _plan(geometry, output_dtype, epi_dtype, acc_dtype, device)
+    plan = _plan(geometry, output_dtype, epi_dtype, acc_dtype, device)
+    kernel, grid, block, smem, extra = plan
     q = q if q.is_contiguous() else q.contiguous()
     weights = weights if weights.is_contiguous() else weights.contiguous()
     args = (
@@ -194,6 +215,7 @@ def _launch(
         *extra,
     )
     kernel.launch(grid, block, current_stream(device), args, smem)
+    return plan
 
 
 def prebuild_specs(workloads: dict) -> list[KernelSpec]:
@@ -209,67 +231,36 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
         workloads.get("epi_dtype", ["float32"]),
         workloads.get("acc_dtype", ["float32"]),
     ):
-        warpgroups, stages, ring = launch_config(int(next_n) * int(heads), int(dim))
+        geometry = (int(next_n), int(heads), int(dim), int(block))
         specs.add(
-            _logits_family.spec(
-                (
-                    int(next_n),
-                    int(heads),
-                    int(dim),
-                    int(block),
-                    dtype[out_dt],
-                    dtype[epi_dt],
-                    dtype[acc_dt],
-                    warpgroups,
-                    stages,
-                    False,
-                    ring,
-                )
-            )
+            _logits_family.spec(_params(*geometry, dtype[out_dt], dtype[epi_dt], dtype[acc_dt]))
         )
     return sorted(specs, key=str)
 
 
 # -- the op ------------------------------------------------------------------------------
 def _logits_impl(
-    q,
-    kv_fused,
-    weights,
-    block_tables,
-    seq_lens,
-    max_seq_len: int,
-    output_dtype,
-    epi_dtype,
-    acc_dtype,
-    schedule_meta,
-    out,
-) -> None:
+    q, kv_fused, weights, block_tables, seq_lens, max_seq_len: int, output_dtype, epi_dtype, acc_dtype,
+    schedule_meta, out,
+) -> tuple | None:  # fmt: skip
+    """Write the logits into ``out``; return the kernel plan that served, None for torch."""
     geometry = (q.shape[0], q.shape[1], q.shape[2], q.shape[3], kv_fused.shape[1])
     if q.shape[0] == 0 or max_seq_len == 0:
-        return
+        return None
     if not kernels_disabled():
         reason = _kernel_refusal(q, kv_fused)
         if reason is None:
             try:
-                _launch(
-                    q,
-                    kv_fused,
-                    weights,
-                    block_tables,
-                    seq_lens,
-                    schedule_meta,
-                    out,
-                    output_dtype,
-                    epi_dtype,
-                    acc_dtype,
-                    geometry,
-                )
-                return
+                return _launch(
+                    q, kv_fused, weights, block_tables, seq_lens, schedule_meta, out,
+                    output_dtype, epi_dtype, acc_dtype, geometry,
+                )  # fmt: skip
             except KernelUnavailable as exc:
                 reason = str(exc)
         if q.device.type == "cuda":
             fall_back(OP, reason)
     paged_mqa_logits_torch(q, kv_fused, weights, block_tables, seq_lens, out, epi_dtype, acc_dtype)
+    return None
 
 
 @torch.library.custom_op("flashinfer_jit::fp8_paged_mqa_logits", mutates_args=("out",))
@@ -287,34 +278,13 @@ def _logits_op(
     out: torch.Tensor,
 ) -> None:
     _logits_impl(
-        q,
-        kv_fused,
-        weights,
-        block_tables,
-        seq_lens,
-        max_seq_len,
-        output_dtype,
-        epi_dtype,
-        acc_dtype,
-        schedule_meta,
-        out,
-    )
+        q, kv_fused, weights, block_tables, seq_lens, max_seq_len, output_dtype, epi_dtype, acc_dtype,
+        schedule_meta, out,
+    )  # fmt: skip
 
 
 @_logits_op.register_fake
-def _(
-    q,
-    kv_fused,
-    weights,
-    block_tables,
-    seq_lens,
-    max_seq_len,
-    output_dtype,
-    epi_dtype,
-    acc_dtype,
-    schedule_meta,
-    out,
-) -> None:
+def _(*args) -> None:  # writes only `out`, which the caller allocated: nothing to fake
     return None
 
 
@@ -339,22 +309,54 @@ def fp8_paged_mqa_logits(
     valid for positions 0 .. seq_lens[b] - next_n + t; the rest is unspecified, and rows of
     requests with seq_lens[b] == 0 are never written.
     """
+    compiling = torch.compiler.is_compiling()
+    fast_key = None
+    if not compiling:
+        try:  # the fast path's key; the strides it reads are reused as kernel arguments
+            t_stride, l_stride = block_tables.stride(), seq_lens.stride()
+            o_stride = None if out is None else out.stride()
+            fast_key = (
+                q.shape, q.stride(), q.dtype, q.get_device(),
+                kv_fused.shape, kv_fused.stride(), kv_fused.dtype, kv_fused.get_device(),
+                weights.shape, weights.stride(), weights.dtype, weights.get_device(),
+                block_tables.shape, t_stride, block_tables.dtype, block_tables.get_device(),
+                seq_lens.shape, l_stride, seq_lens.dtype, seq_lens.get_device(),
+                max_seq_len, type(max_seq_len), output_dtype, epi_dtype, acc_dtype,
+                None if schedule_meta is None else (
+                    schedule_meta.shape, schedule_meta.stride(), schedule_meta.dtype,
+                    schedule_meta.get_device(),
+                ),
+                None if out is None else (out.shape, o_stride, out.dtype, out.get_device()),
+                _config_override, _force_generic,
+            )  # fmt: skip
+            fast = FAST.get(fast_key)
+        except (AttributeError, TypeError, IndexError):  # not tensors: the full checks say what
+            fast_key, fast = None, None
+        if fast is not None and fast_allowed():
+            q_ptr, kv_ptr = q.data_ptr(), kv_fused.data_ptr()
+            if not (q_ptr | kv_ptr) & 15:
+                if out is None:
+                    out = torch.empty(
+                        (fast.rows, fast.cols), dtype=fast.dtype, device=fast.torch_device
+                    )
+                    o_stride = (fast.cols,)
+                kernel, grid, block, smem, extra = fast.plan
+                args = (
+                    q_ptr, kv_ptr, weights.data_ptr(), block_tables.data_ptr(), t_stride[0],
+                    seq_lens.data_ptr(), l_stride[0],
+                    0 if schedule_meta is None else schedule_meta.data_ptr(),
+                    out.data_ptr(), o_stride[0], fast.batch, *extra,
+                )  # fmt: skip
+                kernel.launch(grid, block, current_stream(fast.device), args, smem)
+                return out if fast.whole else out[: fast.rows, :max_seq_len]
     try:
         key = signature(
-            q,
-            kv_fused,
-            weights,
-            block_tables,
-            seq_lens,
-            max_seq_len,
-            output_dtype,
-            epi_dtype,
-            acc_dtype,
-            out,
-        )
-        geometry = checked.get(key)
+            q, kv_fused, weights, block_tables, seq_lens, max_seq_len, output_dtype, epi_dtype,
+            acc_dtype, out,
+        )  # fmt: skip
     except (AttributeError, TypeError):  # not tensors: the full checks say what is wrong
-        key, geometry = None, None
+        key = None
+    geometry = checked.get(key) if key is not None else None
     if geometry is None:
         check_dtypes(output_dtype, epi_dtype, acc_dtype)
         geometry = check_args(q, kv_fused, weights, block_tables, seq_lens, max_seq_len)
@@ -372,33 +374,15 @@ def fp8_paged_mqa_logits(
         check_schedule(schedule_meta, q.device)
     if validate_inputs():
         validate_preconditions(kv_fused, block_tables, seq_lens, max_seq_len, block_size)
-    if torch.compiler.is_compiling():
-        _logits_op(
-            q,
-            kv_fused,
-            weights,
-            block_tables,
-            seq_lens,
-            max_seq_len,
-            output_dtype,
-            epi_dtype,
-            acc_dtype,
-            schedule_meta,
-            out,
-        )
+    args = (
+        q, kv_fused, weights, block_tables, seq_lens, max_seq_len, output_dtype, epi_dtype, acc_dtype,
+        schedule_meta, out,
+    )  # fmt: skip
+    if compiling:
+        _logits_op(*args)
     else:  # eager calls skip the custom-op dispatcher's host cost
-        _logits_impl(
-            q,
-            kv_fused,
-            weights,
-            block_tables,
-            seq_lens,
-            max_seq_len,
-            output_dtype,
-            epi_dtype,
-            acc_dtype,
-            schedule_meta,
-            out,
-        )
+        plan = _logits_impl(*args)
+        if plan is not None and fast_key is not None:
+            remember(fast_key, plan, q, weights, rows, max_seq_len, out)
     # A view of the whole of `out` is `out` itself: skip the slicing (~2 us of host time).
     return out if out.shape == (rows, max_seq_len) else out[:rows, :max_seq_len]

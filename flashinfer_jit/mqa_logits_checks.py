@@ -20,9 +20,7 @@ BLOCK_SIZES = (32, 64, 128)
 FLOAT_DTYPES = (torch.float32, torch.float16)
 MAX_INT32 = 2**31
 SMEM_LIMIT = 232448  # opt-in shared memory per block on sm_90 / sm_100 / sm_103
-STATIC_SMEM = (
-    2048  # the kernel's static shared memory (about 1.3 KB with the reserved 1 KB), rounded up
-)
+STATIC_SMEM = 2048  # the kernel's static shared memory (~1.3 KB with the reserved 1 KB), rounded up
 
 
 # -- helpers of the public contract ----------------------------------------------------
@@ -96,17 +94,34 @@ def direct_config(n: int, dim: int) -> tuple[int, int] | None:
     return warpgroups, stages
 
 
+def reg_cap(threads: int) -> int:
+    """Registers per thread a block of ``threads`` can have (reg_cap in mqa_logits_util.cuh):
+    each SM sub-partition has 16K registers and takes ceil(warps / 4) of the block's warps."""
+    return min(255, 65536 // (-(-threads // 128) * 128) // 8 * 8)
+
+
+def ring_regs(n: int, dim: int) -> int:
+    """Registers a ring consumer thread needs (f32 accumulators, K fragments, ~48 of
+    addressing and epilogue state); calibrated on ptxas: n=192/dim=128 uses 146."""
+    return n // 2 + dim // 8 + 48
+
+
 def launch_config(n: int, dim: int) -> tuple[int, int, bool] | None:
     """(warpgroups, stages, ring) for a geometry, or None when it cannot run at all.
 
     The ring kernel (a producer warp streaming 64-token tiles into a shared-memory ring,
-    two consumer warpgroups) is preferred whenever at least 4 stages fit beside Q: its
-    bytes in flight come from shared memory, not registers. Otherwise the direct kernel.
+    consumer warpgroups) is preferred whenever at least 4 stages fit beside Q: its bytes
+    in flight come from shared memory, not registers. Consumers are latency-bound (H200
+    round 2: 3 warpgroups beat 2 by 4-13% at next_n*num_heads 64..128, lost at 32), so
+    the most warpgroups whose accumulators fit the register cap of the block size
+    (13 warps: 128 a thread, 9: 168, 5: 255). Otherwise the direct kernel.
     """
     direct = direct_config(n, dim)
     if direct is None:
         return None
-    for warpgroups in (2, 1):
+    for warpgroups in (3, 2, 1) if n >= 64 else (2, 1):
+        if ring_regs(n, dim) > reg_cap(128 * warpgroups + 32):
+            continue
         stages = ring_stages(n, dim, warpgroups)
         if stages >= 4:
             return warpgroups, stages, True
@@ -160,11 +175,6 @@ def check_args(q, kv_fused, weights, block_tables, seq_lens, max_seq_len) -> tup
         ValueError,
         lambda: "kv_fused must be a 4-D tensor [num_blocks, block_size, 1, head_dim + 4]",
     )
-    _need(
-        kv_fused.dtype == torch.uint8,
-        TypeError,
-        lambda: f"kv_fused must be torch.uint8, got {kv_fused.dtype}",
-    )
     block_size = kv_fused.shape[1]
     _need(
         kv_fused.shape[2] == 1 and kv_fused.shape[3] == dim + 4,
@@ -189,21 +199,11 @@ def check_args(q, kv_fused, weights, block_tables, seq_lens, max_seq_len) -> tup
         ),
     )
     _need(
-        weights.dtype == torch.float32,
-        TypeError,
-        lambda: f"weights must be torch.float32, got {weights.dtype}",
-    )
-    _need(
         isinstance(block_tables, torch.Tensor)
         and block_tables.dim() == 2
         and block_tables.shape[0] == batch,
         ValueError,
         lambda: f"block_tables must be [batch_size={batch}, max_blocks_per_seq]",
-    )
-    _need(
-        block_tables.dtype == torch.int32,
-        TypeError,
-        lambda: f"block_tables must be torch.int32, got {block_tables.dtype}",
     )
     _need(
         block_tables.stride(1) == 1 or block_tables.shape[1] <= 1,
@@ -215,21 +215,17 @@ def check_args(q, kv_fused, weights, block_tables, seq_lens, max_seq_len) -> tup
         ValueError,
         lambda: f"seq_lens must be a 1-D tensor [batch_size={batch}]",
     )
-    _need(
-        seq_lens.dtype == torch.int32,
-        TypeError,
-        lambda: f"seq_lens must be torch.int32, got {seq_lens.dtype}",
-    )
-    for name, t in (
-        ("kv_fused", kv_fused),
-        ("weights", weights),
-        ("block_tables", block_tables),
-        ("seq_lens", seq_lens),
+    for name, t, dt in (
+        ("kv_fused", kv_fused, torch.uint8),
+        ("weights", weights, torch.float32),
+        ("block_tables", block_tables, torch.int32),
+        ("seq_lens", seq_lens, torch.int32),
     ):
+        _need(t.dtype == dt, TypeError, lambda n=name, t=t, d=dt: f"{n} must be {d}, got {t.dtype}")
         _need(
             t.device == q.device,
             ValueError,
-            lambda name=name, t=t: f"{name} is on {t.device}, q on {q.device}",
+            lambda n=name, t=t: f"{n} is on {t.device}, q on {q.device}",
         )
     _need(
         isinstance(max_seq_len, int) and max_seq_len >= 0,
@@ -346,30 +342,11 @@ CHECKED_MAX = 4096
 def signature(q, kv, w, table, lens, max_seq_len, output_dtype, epi_dtype, acc_dtype, out) -> tuple:
     o = None if out is None else (out.shape, out.stride(), out.dtype, out.device)
     return (
-        q.shape,
-        q.dtype,
-        q.device,
-        kv.shape,
-        kv.stride(),
-        kv.dtype,
-        kv.device,
-        w.shape,
-        w.dtype,
-        w.device,
-        table.shape,
-        table.stride(),
-        table.dtype,
-        table.device,
-        lens.shape,
-        lens.dtype,
-        lens.device,
-        type(max_seq_len),
-        max_seq_len,
-        output_dtype,
-        epi_dtype,
-        acc_dtype,
-        o,
-    )
+        q.shape, q.dtype, q.device, kv.shape, kv.stride(), kv.dtype, kv.device,
+        w.shape, w.dtype, w.device, table.shape, table.stride(), table.dtype, table.device,
+        lens.shape, lens.dtype, lens.device, type(max_seq_len), max_seq_len,
+        output_dtype, epi_dtype, acc_dtype, o,
+    )  # fmt: skip
 
 
 def validate_preconditions(

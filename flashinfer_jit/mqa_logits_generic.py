@@ -19,13 +19,13 @@ from .mqa_logits_checks import FLOAT_DTYPES, ring_smem_bytes, ring_stages, sm_co
 log = logging.getLogger(__name__)
 GENERIC_ROWS = 256  # Q rows of the generic kernel's buffer: next_n * num_heads <= 256
 GENERIC_MAX_DIM = 256
-GENERIC_WARPGROUPS = 2
+GENERIC_WARPGROUPS = 1  # 5 warps: 255 registers a thread (9 warps would cap at 168 and spill)
 
 generic_family = kernel_family(
     "mqa_logits_generic",
     "mqa_logits_generic.cuh",
     "fij_mqa::paged_mqa_logits_generic",
-    ("output_dtype", "epi_dtype", "acc_dtype", "portable"),
+    ("output_dtype", "epi_dtype", "acc_dtype"),
     ("P", "P", "P", "P", "q", "P", "q", "P", "P", "q", "i", "i", "i", "i", "i", "i"),
 )
 
@@ -36,7 +36,7 @@ def generic_plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int, why:
     stages = ring_stages(GENERIC_ROWS, dim, GENERIC_WARPGROUPS)
     if dim > GENERIC_MAX_DIM or stages < 2:
         raise KernelUnavailable(f"{why}; the generic kernel takes head_dim <= {GENERIC_MAX_DIM}")
-    kernel = generic_family.get((output_dtype, epi_dtype, acc_dtype, False), device)
+    kernel = generic_family.get((output_dtype, epi_dtype, acc_dtype), device)
     log.info("fp8_paged_mqa_logits: generic kernel for %s (%s)", geometry, why)
     smem = ring_smem_bytes(GENERIC_ROWS, dim, GENERIC_WARPGROUPS, stages)
     threads = 128 * GENERIC_WARPGROUPS + 32
@@ -46,7 +46,4 @@ def generic_plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int, why:
 
 def generic_specs() -> list[KernelSpec]:
     """The generic kernel for every (output, epilogue, accumulator) dtype triple."""
-    return [
-        generic_family.spec((o, e, a, False))
-        for o, e, a in itertools.product(FLOAT_DTYPES, repeat=3)
-    ]
+    return [generic_family.spec((o, e, a)) for o, e, a in itertools.product(FLOAT_DTYPES, repeat=3)]

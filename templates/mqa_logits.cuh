@@ -172,7 +172,8 @@ paged_mqa_logits(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS
       // The fragments are consumed: refill this stage while the epilogue runs.
       if (loads_left > 0) issue(ka[st], kscale[st], st_b[st], st_t[st], st_rows[st]);
 
-      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc_u, wbuf, sc0, sc1, b, tile, rows, out, out_stride, warp, g, tig);
+      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc_u, WeightsSmem{wbuf + 2 * tig}, sc0, sc1, b, tile, rows, out,
+                                                  out_stride, warp, g, tig);
     }
   }
 }

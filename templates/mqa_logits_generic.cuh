@@ -3,8 +3,8 @@
 // dtype) serves every geometry when a specialization cannot be compiled (no NVRTC,
 // FLASHINFER_JIT_DISABLE=1 without that specialization in the cache).
 //
-// It is the ring kernel (mqa_logits_ring.cuh: producer warp + bulk copies + two consumer
-// warpgroups) with a 256-row Q buffer: the MMA runs in 64-column chunks up to next_n *
+// It is the ring kernel (mqa_logits_ring.cuh: producer warp + bulk copies + one consumer
+// warpgroup) with a 256-row Q buffer: the MMA runs in 64-column chunks up to next_n *
 // num_heads (sm_90a: wgmma m64n64k32; elsewhere mma.sync), and the epilogue walks the
 // columns keeping one running head sum, flushed whenever the (uniform) slot t changes.
 // With fp32 epilogues it sums in the same order as the specialized kernels.
@@ -13,7 +13,7 @@
 
 namespace fij_mqa {
 
-constexpr int kGenN = 256, kGenDim = 256, kGenWgs = 2;
+constexpr int kGenN = 256, kGenDim = 256, kGenWgs = 1;  // one consumer warpgroup: 255 registers, no spills
 
 template <bool F16ACC, bool WGMMA>
 __device__ __forceinline__ void tile_mma_rt(const unsigned (&ka)[2][kGenDim / 16], const unsigned char* qbuf,
@@ -154,7 +154,7 @@ __device__ __forceinline__ void tile_store_rt(const unsigned* acc_u, const float
   flush(cur);
 }
 
-template <typename OutT, typename EpiT, typename AccT, bool PORTABLE>
+template <typename OutT, typename EpiT, typename AccT>
 __global__ void __maxnreg__(reg_cap(kGenWgs * 128 + 32))
 paged_mqa_logits_generic(const unsigned char* __restrict__ q, const unsigned char* __restrict__ kv,
                          const float* __restrict__ weights, const int* __restrict__ block_tables,
@@ -165,7 +165,7 @@ paged_mqa_logits_generic(const unsigned char* __restrict__ q, const unsigned cha
   constexpr int ACC_WORDS = F16ACC ? kGenN / 4 : kGenN / 2;
   constexpr int WORDS = kGenDim / 16;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr bool WGMMA = !PORTABLE;
+  constexpr bool WGMMA = true;
 #else
   constexpr bool WGMMA = false;
 #endif

@@ -191,6 +191,9 @@ __device__ __forceinline__ void ring_body(unsigned char* smem, const int* sched,
   unsigned char* qbuf = smem + L::kQ + wg * (N * DIM);
   float* wbuf = reinterpret_cast<float*>(smem + L::kW) + wg * N;
   const unsigned bar = 1 + wg;
+  // Weights in registers when accumulators + weights + fragments leave room (see WeightsReg).
+  constexpr bool WREG = N / 2 + N / 4 + DIM / 8 + 54 <= reg_cap(WGS * 128 + 32);
+  WeightsReg<WREG ? N : 8> wreg;
   int q_b = -1;
   if (wg < len) {  // Q of the first request is fetched while the first tile streams in
     int b = sched[0], t = sched[1];
@@ -203,6 +206,7 @@ __device__ __forceinline__ void ring_body(unsigned char* smem, const int* sched,
       q_b = b;
     }
     asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
+    if constexpr (WREG) wreg.load(wbuf, tig);
   }
   for (int i = wg; i < len; i += WGS) {
     const int s = i % STAGES;
@@ -236,12 +240,17 @@ __device__ __forceinline__ void ring_body(unsigned char* smem, const int* sched,
       for (int n = tid; n < N; n += 128) wbuf[n] = weights[(long long)m.x * N + n];
       if constexpr (WGMMA) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
+      if constexpr (WREG) wreg.load(wbuf, tig);
       q_b = m.x;
     }
     unsigned acc_u[ACC_WORDS];
     tile_mma<N, DIM, F16ACC, WGMMA>(ka, qbuf, acc_u, g, tig);
-    tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc_u, wbuf, sc0, sc1, m.x, m.y, m.z, out, out_stride, warp, g,
-                                                tig);
+    if constexpr (WREG)
+      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc_u, wreg, sc0, sc1, m.x, m.y, m.z, out, out_stride, warp, g,
+                                                  tig);
+    else
+      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc_u, WeightsSmem{wbuf + 2 * tig}, sc0, sc1, m.x, m.y, m.z, out,
+                                                  out_stride, warp, g, tig);
   }
 }
 

@@ -120,8 +120,28 @@ __device__ __forceinline__ void tile_mma(const unsigned (&ka)[2][DIM / 16], cons
   }
 }
 
-template <int NEXT_N, int HEADS, typename OutT, typename EpiT, typename AccT>
-__device__ __forceinline__ void tile_store(const unsigned* acc_u, const float* wbuf, float sc0, float sc1, int b,
+// The weights a thread's accumulator columns need (columns i*8 + 2 tig + j, j = 0, 1):
+// read from the warpgroup's shared buffer per tile, or held in registers (N/4 floats,
+// loaded once per request), which saves N/4 shared loads per tile when registers allow.
+struct WeightsSmem {
+  const float* p;  // the buffer + 2 tig
+  __device__ __forceinline__ float get(int i, int j) const { return p[i * 8 + j]; }
+};
+template <int N>
+struct WeightsReg {
+  float v[N / 8][2];
+  __device__ __forceinline__ void load(const float* wbuf, int tig) {
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i) {
+      v[i][0] = wbuf[i * 8 + tig * 2];
+      v[i][1] = wbuf[i * 8 + tig * 2 + 1];
+    }
+  }
+  __device__ __forceinline__ float get(int i, int j) const { return v[i][j]; }
+};
+
+template <int NEXT_N, int HEADS, typename OutT, typename EpiT, typename AccT, typename W>
+__device__ __forceinline__ void tile_store(const unsigned* acc_u, const W& wts, float sc0, float sc1, int b,
                                            int tile, int rows, OutT* __restrict__ out, long long out_stride,
                                            int warp, int g, int tig) {
   constexpr int N = NEXT_N * HEADS;
@@ -145,7 +165,7 @@ __device__ __forceinline__ void tile_store(const unsigned* acc_u, const float* w
     for (int r = 0; r < 2; ++r) {
       if constexpr (F16EPI) {
         const unsigned x = F16ACC ? acc_u[2 * i + r] : pack_h2(acc_f[4 * i + 2 * r], acc_f[4 * i + 2 * r + 1]);
-        const unsigned w2 = pack_h2(wbuf[col], wbuf[col + 1]);
+        const unsigned w2 = pack_h2(wts.get(i, 0), wts.get(i, 1));
         const unsigned short y = hsum2(hfma2(hrelu2(x), w2, 0u));
         if (t_lo == t_hi || low)
           hpart[t_lo][r] = hadd(hpart[t_lo][r], y);
@@ -154,7 +174,7 @@ __device__ __forceinline__ void tile_store(const unsigned* acc_u, const float* w
       } else {
         const float x0 = F16ACC ? h2_lo(acc_u[2 * i + r]) : acc_f[4 * i + 2 * r];
         const float x1 = F16ACC ? h2_hi(acc_u[2 * i + r]) : acc_f[4 * i + 2 * r + 1];
-        const float y = fmaf(fmaxf(x0, 0.f), wbuf[col], fmaxf(x1, 0.f) * wbuf[col + 1]);
+        const float y = fmaf(fmaxf(x0, 0.f), wts.get(i, 0), fmaxf(x1, 0.f) * wts.get(i, 1));
         if (t_lo == t_hi) {
           part[t_lo][r] += y;
         } else {

@@ -8,10 +8,15 @@ namespace fij_mqa {
 
 constexpr int kTile = 64;  // KV tokens per warpgroup tile (the wgmma M); the schedule unit
 
-// Registers per thread for a block of `threads`: __launch_bounds__ would round the
-// block up to whole warpgroups (288 threads -> 384 -> 168 registers) and make the ring
-// kernel's 2 consumer warpgroups spill at N = 256; the hardware allocates per warp.
-constexpr int reg_cap(int threads) { return 65536 / threads / 8 * 8 > 255 ? 255 : 65536 / threads / 8 * 8; }
+// Registers per thread for a block of `threads`. Each of the SM's 4 sub-partitions has
+// its own 16K-register file and a block's warps are dealt to them round-robin, so the
+// fullest sub-partition holds ceil(warps / 4) warps: 9 warps (2 consumer warpgroups + a
+// producer warp) get 168, not 65536 / 288 = 224 (which fails with LAUNCH_OUT_OF_RESOURCES).
+// Mirrored by reg_cap in flashinfer_jit/mqa_logits_checks.py.
+__host__ __device__ constexpr int reg_cap(int threads) {
+  return 65536 / (((threads + 127) / 128) * 128) / 8 * 8 > 255 ? 255
+                                                                 : 65536 / (((threads + 127) / 128) * 128) / 8 * 8;
+}
 
 template <typename A, typename B>
 struct same_type { static constexpr bool value = false; };

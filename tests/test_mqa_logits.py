@@ -449,6 +449,93 @@ def test_generic_kernel_compiles(arch, tmp_path):
     assert ("QGMMA" if arch == "sm_90a" else "HMMA") in sass
 
 
+def test_launch_configs_fit_the_register_file():
+    """9 warps get 168 registers (4 sub-partitions of 16K, ceil(9/4) = 3 warps each): the
+    chosen ring config must leave its consumers room, or the launch fails with error 701."""
+    from flashinfer_jit.mqa_logits_checks import direct_config, reg_cap, ring_regs
+
+    assert (reg_cap(288), reg_cap(160), reg_cap(416), reg_cap(256), reg_cap(384)) == (
+        168,
+        255,
+        128,
+        255,
+        168,
+    )
+    for dim in range(32, 257, 32):
+        for n in range(8, 257, 8):
+            cfg = mq.launch_config(n, dim)
+            if cfg is None:
+                assert direct_config(n, dim) is None
+                continue
+            warpgroups, stages, ring = cfg
+            if ring:
+                assert ring_regs(n, dim) <= reg_cap(128 * warpgroups + 32), (n, dim, cfg)
+                assert stages >= 4 and stages % warpgroups == 0
+
+
+def test_fast_path_replays_the_full_path(monkeypatch, request):
+    """A repeated call (same metadata, new tensors) launches with the same arguments as the
+    full path would, with the new addresses; a changed layout takes the full path."""
+    calls = []
+
+    class Kernel:
+        name = "fake"
+
+        def launch(self, grid, block, stream, args, smem):
+            calls.append((grid, block, args, smem))
+
+    plan = (Kernel(), (7, 1, 1), (288, 1, 1), 1234, ())
+    monkeypatch.setattr(mq, "_kernel_refusal", lambda q, kv: None)
+    monkeypatch.setattr(mq, "_plan", lambda *a: plan)
+    import flashinfer_jit.mqa_logits_fast as mqf
+
+    monkeypatch.setattr(mq, "cuda_device_index", lambda t: 0)
+    monkeypatch.setattr(mqf, "cuda_device_index", lambda t: 0)
+    monkeypatch.setattr(mq, "current_stream", lambda d: 0)
+    mqf.FAST.clear()
+    request.addfinalizer(mqf.FAST.clear)  # entries of the fake plan must not outlive the test
+    a = make_inputs([70, 5, 300], next_n=2, heads=32, seed=1)
+    b = make_inputs([70, 5, 300], next_n=2, heads=32, seed=2)
+    max_len = a[5]
+    wide = torch.empty(6, padded_seq_len(max_len) + 40)
+    for out in (None, wide):
+        calls.clear()
+        for inputs in (a, b, a):
+            got = fp8_paged_mqa_logits(*inputs[:5], max_len, out=out)
+            assert got.shape == (6, max_len)
+            assert out is None or got.data_ptr() == wide.data_ptr()
+        assert len(mqf.FAST) >= 1
+        full, fast_b, fast_a = calls
+        assert full[2][:3] == fast_a[2][:3] and full[2][4:8] == fast_a[2][4:8]
+        assert full[2][9:] == fast_a[2][9:] == fast_b[2][9:]
+        assert fast_b[2][0] == b[0].data_ptr() and fast_b[2][5] == b[4].data_ptr()
+        assert (full[0], full[1], full[3]) == (fast_b[0], fast_b[1], fast_b[3])
+    # A strided block table (a new layout) misses the fast path and still passes its stride.
+    table = torch.zeros(3, 2 * a[3].shape[1], dtype=torch.int32)[:, ::2]
+    with pytest.raises(ValueError, match="block_tables rows must be contiguous"):
+        fp8_paged_mqa_logits(*a[:3], table, a[4], max_len)
+    wide_table = torch.zeros(6, a[3].shape[1], dtype=torch.int32)[::2]
+    calls.clear()
+    fp8_paged_mqa_logits(*a[:3], wide_table, a[4], max_len)
+    fp8_paged_mqa_logits(*a[:3], wide_table, a[4], max_len)
+    assert calls[0][2][4] == calls[1][2][4] == 2 * a[3].shape[1]
+
+
+def test_direct_kernel_compiles_for_wide_heads(tmp_path):
+    """head_dim 512 with next_n*num_heads 256 leaves room for fewer than 4 ring stages: the
+    dispatcher picks the register-fed direct kernel, which must compile without spills."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from flashinfer_jit._jit import BUILDER
+    from jit_kernels import compile_cubin, render
+
+    assert mq.launch_config(256, 512)[2] is False
+    f32 = torch.float32
+    spec = mq._logits_family.spec(mq._params(4, 64, 512, 64, f32, f32, f32))
+    sass, res = _sass(compile_cubin(render(spec, BUILDER.template_root), "sm_90a").cubin, tmp_path)
+    assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills: {res}"
+    assert "QGMMA" in sass
+
+
 # -- GPU ----------------------------------------------------------------------------------
 # (warpgroups, stages, portable, ring); ring stages 0 = as many as fit. ring_3x6 wraps its
 # 6-stage ring many times per CTA (mbarrier phases); direct_* are the register-fed kernel.
@@ -457,6 +544,7 @@ VARIANTS = {
     "portable": (2, 0, True, True),
     "ring_1wg": (1, 0, False, True),
     "ring_3x6": (3, 6, False, True),
+    "ring_4wg": (4, 0, False, True),  # opt-in (bench); generic where n > 64 cannot fit
     "direct_2x2": (2, 2, False, False),
     "direct_portable": (1, 3, True, False),
     "generic": "generic",  # the runtime-geometry kernel (mq._force_generic)
@@ -542,12 +630,14 @@ def test_gpu_fp16_overflow_is_inf():
 
 @pytest.mark.gpu
 def test_gpu_schedule_and_strides():
+    from flashinfer_jit.mqa_logits_schedule import schedule_torch
+
     q, kv, w, table, lens, max_len = make_inputs(
         [0, 5, 700, 64, 0, 1999, 3], next_n=2, heads=32, device="cuda"
     )
     sched = compute_paged_mqa_logits_schedule(lens, 64)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert torch.equal(sched.cpu(), mq.schedule_torch(lens.cpu(), num_sms))
+    assert torch.equal(sched.cpu(), schedule_torch(lens.cpu(), num_sms))
     wide_table = torch.full((14, table.shape[1]), BAD_BLOCK, dtype=torch.int32, device="cuda")
     wide_table[::2] = table
     wide_lens = torch.zeros(14, dtype=torch.int32, device="cuda")
@@ -588,3 +678,17 @@ def test_gpu_torch_path_matches(monkeypatch):
     ref = reference(q, kv, w, table, lens)
     monkeypatch.setenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", "1")
     assert_close(fp8_paged_mqa_logits(q, kv, w, table, lens, max_len), ref, 2e-3, name="torch path")
+
+
+@pytest.mark.gpu
+def test_gpu_fast_path_new_tensors():
+    """Repeated calls with the same shapes (the fast path) read each call's own tensors."""
+    outs = []
+    for seed in (1, 2, 3):
+        q, kv, w, table, lens, max_len = make_inputs(
+            [700, 0, 64, 1999], next_n=2, heads=64, device="cuda", seed=seed
+        )
+        got = fp8_paged_mqa_logits(q, kv, w, table, lens, max_len)
+        assert_close(got, reference(q, kv, w, table, lens), 2e-3, name=f"seed {seed}")
+        outs.append(got)
+    assert not torch.equal(outs[0][0, :600], outs[1][0, :600])

@@ -1,6 +1,6 @@
 """Benchmark fp8_paged_mqa_logits on the GPU against the byte floor and DeepGEMM's figures.
 
-    python tools/bench_mqa_logits.py [--quick] [--reps N]
+    python tools/bench_mqa_logits.py [--quick | --lean] [--reps N]
 
 Inputs follow ../shared/FACTS.md's DeepGEMM table: head_dim 128, block 64 (plus block 32
 and 128 comparisons at two rows), seq lens uniform in [0.7 L, L], a shuffled KV pool, fp32
@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashinfer_jit.mqa_logits as mq  # noqa: E402
+from jit_kernels import KernelUnavailable  # noqa: E402
 
 BW = 4.24e12  # measured device-to-device copy bandwidth (bytes read + written per second)
 D = 128
@@ -46,15 +47,21 @@ VARIANTS = [
     None,
     (1, 0, False, True),
     (3, 0, False, True),
+    (4, 0, False, True),  # opt-in: 4 consumer warpgroups (96 registers: next_n*H <= 64)
     (2, 6, False, True),
-    (4, 2, False, False),
+    (4, 2, False, False),  # the register-fed direct kernel (auto above head_dim ~448)
+    "generic",  # the runtime-geometry kernel (one cubin per dtype triple)
 ]
+# auto (3 consumer warpgroups from next_n*H 64), round 2's default (2 warpgroups), the
+# opt-in 4 consumer warpgroups (consumer-bound rows; generic where it cannot fit) and the
+# generic fallback kernel.
+LEAN_VARIANTS = [None, (2, 0, False, True), (4, 0, False, True), "generic"]
 BLOCK_ROWS = {(256, 1, 64, 8192), (128, 3, 64, 16384)}  # rows compared at blocks 32/128
 
 
 def vname(v) -> str:
-    if v is None:
-        return "auto"
+    if v is None or v == "generic":
+        return v or "auto"
     kind = "ring" if v[3] else "direct"
     return f"{kind}{'-mma' if v[2] else ''}{v[0]}x{v[1] or 'max'}"
 
@@ -171,18 +178,24 @@ def run_row(batch, next_n, heads, length, block, reps, variants, gen):
     sets = [make_set(batch, next_n, heads, length, block, gen) for _ in range(n_sets)]
     results = {}
     for v in variants:
-        mq._config_override = v
+        mq._config_override, mq._force_generic = (None, True) if v == "generic" else (v, False)
         try:
+            if isinstance(v, tuple):  # a forced config that cannot fit: not the generic's time
+                f32 = torch.float32
+                mq._params(next_n, heads, D, block, f32, f32, f32)
             q, kv, w, table, lens = sets[0]
             logits = mq.fp8_paged_mqa_logits(q, kv, w, table, lens, length)
             check(logits, q, kv, w, table, lens)
             results[vname(v)] = time_eager(sets, length, reps)
+        except KernelUnavailable as exc:
+            results[vname(v)] = None
+            print(f"  [{batch},{next_n},{heads},{length},blk{block}] {vname(v)} n/a: {exc}")
         except Exception as exc:  # report and keep going
             results[vname(v)] = None
             print(f"  [{batch},{next_n},{heads},{length},blk{block}] {vname(v)} failed: {exc!r}")
             traceback.print_exc(limit=2)
         finally:
-            mq._config_override = None
+            mq._config_override, mq._force_generic = None, False
     return sets, results
 
 
@@ -190,8 +203,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--quick", action="store_true", help="auto variant only")
+    parser.add_argument(
+        "--lean", action="store_true", help="auto + LEAN_VARIANTS, 100 reps (one device call)"
+    )
     args = parser.parse_args()
-    variants = [None] if args.quick else VARIANTS
+    variants = [None] if args.quick else LEAN_VARIANTS if args.lean else VARIANTS
+    if args.lean:
+        args.reps = min(args.reps, 100)
     gen = torch.Generator().manual_seed(0)
     torch.cuda.init()
     print(
