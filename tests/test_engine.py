@@ -136,9 +136,15 @@ def test_truncated_cubin_is_rebuilt(tmp_path, caplog):
     cubin.write_bytes(cubin.read_bytes()[:100])
     with caplog.at_level(logging.WARNING, logger="flashinfer_jit"):
         again, compiled = _builder(tmp_path).build(SPEC, "sm_90a")
-    assert compiled and again.cubin == kernel.cubin
+    # NVRTC output is not promised to be byte-identical across compiles in one process
+    # (seen once in CI after the CuTe DSL had loaded its own toolchain), so compare what
+    # matters: a fresh, whole entry replaced the truncated one.
+    assert compiled and again.entry == kernel.entry and again.cubin[:4] == b"\x7fELF"
+    assert len(again.cubin) > 100
     assert "corrupt or truncated" in caplog.text
-    assert cubin.read_bytes() == kernel.cubin
+    assert cubin.read_bytes() == again.cubin
+    reloaded, compiled = _builder(tmp_path).build(SPEC, "sm_90a")
+    assert not compiled and reloaded.cubin == again.cubin
 
 
 def test_unwritable_cache_compiles_in_memory(tmp_path, caplog):
