@@ -13,6 +13,8 @@ semantics and serves CPU tensors and every call the kernels cannot take.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from jit_kernels import KernelSpec, KernelUnavailable, current_stream, fall_back, kernels_disabled
@@ -40,6 +42,14 @@ _LOG2E = 1.4426950408889634
 # warps moves Q to shared memory to fit 128 registers). D=128: 4 x 52 KB of shared memory,
 # 16 warps per SM. (Round 3: several kv heads per CTA were slower at every shape.)
 DECODE_CONFIG = {64: (4, 8, 1), 128: (4, 3, 4), 256: (4, 2, 1)}
+# The D=128 single pass's (warps, stages, min CTAs, slot lookahead = SLOT_AHEAD in
+# templates/qsa_decode.cuh); other head dims run DECODE_CONFIG with lookahead 1. Round 5's
+# opt-ins (tools/bench_qsa.py --lean compares them): lookahead 2/3, (4, 4, 3) stages.
+SINGLE_PASS_128 = (4, 3, 4, 1)
+# Clusters whose whole grid fits one CTA per SM (tiny batches, rows=4) can afford deeper or
+# wider CTAs: D=128 (warps, stages, min CTAs) for them, None = DECODE_CONFIG (ships).
+# Round-5 opt-in (bench --lean: w8 (8, 3, 1), s6 (4, 6, 1), w8s5 (8, 5, 1)).
+ONE_WAVE_CLUSTER_128: tuple[int, int, int] | None = None
 # Split-K: the CLUSTER_SIZES splits of a (row, kv head) are one thread block cluster
 # merging through distributed shared memory; a split whose share fits CLUSTER_SLOT_CAP
 # entries resolves its own slots (no slot pass: one launch a call). Round 3 (H200, G=16
@@ -73,7 +83,11 @@ _DECODE_SIGNATURE = (
 )
 _DECODE_PARAMS = ("group_size", "head_dim", "num_warps", "num_stages", "min_ctas")
 _decode_family = kernel_family(
-    "qsa_decode", "qsa_decode.cuh", "fij_qsa::qsa_decode", _DECODE_PARAMS, _DECODE_SIGNATURE
+    "qsa_decode",
+    "qsa_decode.cuh",
+    "fij_qsa::qsa_decode",
+    (*_DECODE_PARAMS, "slot_ahead"),
+    _DECODE_SIGNATURE,
 )
 _decode_cluster_family = kernel_family(
     "qsa_decode_cluster",
@@ -130,10 +144,14 @@ def _run_kernels(
     output_scale: float,
     num_splits: int = 1,
     fused: bool | None = None,
+    config: tuple[int, int, int] | None = None,
+    slot_ahead: int | None = None,
 ) -> None:
     """Launch the kernels. ``num_splits`` 1 is the single pass (after the slot pass); 2..8
     run the splits as one thread block cluster. ``fused`` (clusters only): resolve the slots
-    in the decode, no slot pass; None takes it when a split's share fits CLUSTER_SLOT_CAP."""
+    in the decode, no slot pass; None takes it when a split's share fits CLUSTER_SLOT_CAP.
+    ``config`` (warps, stages, min CTAs) and ``slot_ahead`` (single pass) override the
+    shipped DECODE_CONFIG / SINGLE_PASS_SLOT_AHEAD: the benchmark's opt-in variants."""
     rows, num_q_heads, head_dim = q.shape
     num_blocks, page_size, num_kv_heads, _ = k_cache.shape
     topk = logical_indices.shape[1] - 1
@@ -154,11 +172,18 @@ def _run_kernels(
     device = cuda_device_index(q)
     slot_columns = -(-topk // CHUNK) * CHUNK
     slots = None if fused else _resolve_slots(logical_indices, block_table, token_to_req, k_cache)
-    config = DECODE_CONFIG[head_dim]
+    shipped = DECODE_CONFIG[head_dim] if cluster else _single_pass_config(head_dim)[:3]
+    one_wave = ONE_WAVE_CLUSTER_128 if head_dim == 128 else None
+    if cluster and one_wave and rows * num_kv_heads * num_splits <= _sm_count(device):
+        shipped = one_wave
+    config = shipped if config is None else _checked_config(config, head_dim)
     params = (num_q_heads // num_kv_heads, head_dim, *config)
-    family = _decode_family
+    ahead = _single_pass_config(head_dim)[3] if slot_ahead is None else slot_ahead
+    if not 1 <= ahead <= 4:
+        raise ValueError(f"slot_ahead must be in [1, 4], got {slot_ahead}")
+    family, params = _decode_family, (*params, ahead)
     if cluster:
-        family, params = _decode_cluster_family, (*params, cluster, slot_cap)
+        family, params = _decode_cluster_family, (*params[:-1], cluster, slot_cap)
     k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]  # bytes (e4m3: 1 B)
     counts = logical_indices.data_ptr() + topk * logical_indices.stride(1) * 4
     args = (q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), *k_strides)
@@ -178,6 +203,26 @@ def _run_kernels(
         args,
         smem=_decode_smem_bytes(head_dim, *config, cluster, slot_cap),
     )
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _single_pass_config(head_dim: int) -> tuple[int, int, int, int]:
+    """The shipped single pass's (warps, stages, min CTAs, slot lookahead)."""
+    return SINGLE_PASS_128 if head_dim == 128 else (*DECODE_CONFIG[head_dim], 1)
+
+
+def _checked_config(config: tuple, head_dim: int) -> tuple[int, int, int]:
+    """An opt-in (warps, stages, min CTAs): in the template's ranges and within 227 KB."""
+    warps, stages, min_ctas = (int(c) for c in config)
+    if warps not in (4, 8) or not 2 <= stages <= 8 or not 1 <= min_ctas <= 8:
+        raise ValueError(f"config (warps, stages, min_ctas) out of range: {config}")
+    if _decode_smem_bytes(head_dim, warps, stages, min_ctas, 8, CLUSTER_SLOT_CAP) > 227 * 1024:
+        raise ValueError(f"config {config} needs more than 227 KB of shared memory")
+    return warps, stages, min_ctas
 
 
 def _resolve_slots(logical_indices, block_table, token_to_req, k_cache) -> torch.Tensor:
@@ -321,13 +366,17 @@ def _family_specs(group: int, head_dim: int, page_size: int, topk: int | None = 
     config = (group, head_dim, *DECODE_CONFIG[head_dim])
     out = [
         (_slots_family, _slots_family.spec((page_size,))),
-        (_decode_family, _decode_family.spec(config)),
+        (_decode_family, _decode_family.spec((group, head_dim, *_single_pass_config(head_dim)))),
     ]
-    for cluster in CLUSTER_SIZES:
-        fits = (_fused_fits(topk, cluster),) if topk is not None else (True, False)
-        for fused in fits:
-            spec = _decode_cluster_family.spec((*config, cluster, CLUSTER_SLOT_CAP * fused))
-            out.append((_decode_cluster_family, spec))
+    configs = [config]
+    if head_dim == 128 and ONE_WAVE_CLUSTER_128:
+        configs.append((group, head_dim, *ONE_WAVE_CLUSTER_128))
+    for cfg in configs:
+        for cluster in CLUSTER_SIZES:
+            fits = (_fused_fits(topk, cluster),) if topk is not None else (True, False)
+            for fused in fits:
+                spec = _decode_cluster_family.spec((*cfg, cluster, CLUSTER_SLOT_CAP * fused))
+                out.append((_decode_cluster_family, spec))
     return out
 
 

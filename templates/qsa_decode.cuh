@@ -55,11 +55,16 @@ namespace fij_qsa {
 //   block cluster and merge through distributed shared memory.
 // SLOT_CAP: 0 (slots come from the slot pass), or the most entries one CTA resolves itself
 //   from the raw selection into shared memory (the slot pass is skipped).
-template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP>
+// SLOT_AHEAD: how many loop iterations before its copies are issued a chunk's slot load
+//   goes out (1: the shipped design; 2..4 keep more independent slot loads in flight so
+//   an L2 round trip under load never holds up the next chunk's copies).
+template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP,
+          int SLOT_AHEAD = 1>
 __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head dim");
   static_assert(GROUP >= 1 && GROUP <= 16, "group size");
   static_assert(NUM_STAGES >= 2 && NUM_STAGES <= 8, "stages (validity ring holds 8)");
+  static_assert(SLOT_AHEAD >= 1 && SLOT_AHEAD <= 4, "slot lookahead");
   constexpr int NG = HEAD_DIM / 64;       // 64-dim groups of a K row: one 16-B piece per quad lane
   constexpr int KU = 2 * NG;              // K uint4s per thread per stage (2 tokens)
   constexpr int VW = HEAD_DIM / 32;       // V words per token per thread
@@ -209,8 +214,10 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
       cp_async_commit();
     }
   }
-  int next = -1;
-  if (NUM_STAGES - 1 < my_n) next = load_slots(NUM_STAGES - 1);
+  // ahead[a]: the slots of chunk k + NUM_STAGES - 1 + a at the top of iteration k.
+  int ahead[SLOT_AHEAD];
+#pragma unroll
+  for (int a = 0; a < SLOT_AHEAD; ++a) ahead[a] = NUM_STAGES - 1 + a < my_n ? load_slots(NUM_STAGES - 1 + a) : -1;
 
   // ---- Q fragments (rows g, g+8 of the group; padding rows are zero) -------------------
   // QK runs in fp16 so K needs one cvt per two e4m3 bytes (see q_fragments for exactness).
@@ -229,9 +236,11 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   }
 
   for (int k = 0; k < my_n; ++k) {
-    if (k + NUM_STAGES - 1 < my_n) ring |= issue(k + NUM_STAGES - 1, next) << (4 * (NUM_STAGES - 1));
+    if (k + NUM_STAGES - 1 < my_n) ring |= issue(k + NUM_STAGES - 1, ahead[0]) << (4 * (NUM_STAGES - 1));
     cp_async_commit();
-    if (k + NUM_STAGES < my_n) next = load_slots(k + NUM_STAGES);
+#pragma unroll
+    for (int a = 0; a + 1 < SLOT_AHEAD; ++a) ahead[a] = ahead[a + 1];
+    if (k + NUM_STAGES - 1 + SLOT_AHEAD < my_n) ahead[SLOT_AHEAD - 1] = load_slots(k + NUM_STAGES - 1 + SLOT_AHEAD);
     cp_async_wait<NUM_STAGES - 1>();
     const unsigned bits = ring & 0xfu;
     ring >>= 4;
@@ -400,9 +409,9 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
 }
 
 // The large-batch kernel: one CTA per (row, kv head), slots from the slot pass.
-template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS>
+template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int SLOT_AHEAD>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) qsa_decode(FIJ_QSA_DECODE_PARAMS) {
-  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, 0, 0>(FIJ_QSA_DECODE_ARGS);
+  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, 0, 0, SLOT_AHEAD>(FIJ_QSA_DECODE_ARGS);
 }
 
 // The small-batch kernel: CLUSTER splits per (row, kv head) in one thread block cluster

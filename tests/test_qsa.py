@@ -288,6 +288,7 @@ def _cuobjdump() -> str | None:
 
 # Cluster split-K specializations beyond the shipped ones: (group, head dim, cluster, slot cap).
 CLUSTER_EXTRA = [(5, 64, 3, 512), (16, 256, 2, 0), (1, 128, 7, 1024)]
+OPT_IN_SPECS = [((4, 3, 4), 2), ((4, 3, 4), 3), ((4, 4, 3), 1), ((4, 4, 3), 2)]
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -297,7 +298,11 @@ def test_kernels_compile_without_spills(arch, tmp_path):
     from jit_kernels import compile_cubin, render
 
     specs = [s for d in qsa.HEAD_DIMS for s in qsa._specs_for(16, d, 64)]
-    specs.append(qsa._decode_family.spec((5, 128, *qsa.DECODE_CONFIG[128])))
+    specs.append(qsa._decode_family.spec((5, 128, *qsa.DECODE_CONFIG[128], 1)))
+    # the round-5 opt-in variants (tools/bench_qsa.py OPT_IN)
+    specs += [qsa._decode_family.spec((16, 128, *c, a)) for c, a in OPT_IN_SPECS]
+    specs += [qsa._decode_cluster_family.spec((16, 128, *c, 4, 1024))
+              for c in ((8, 3, 1), (4, 6, 1), (8, 5, 1))]
     specs += [qsa._decode_cluster_family.spec((g, d, *qsa.DECODE_CONFIG[d], c, cap))
               for g, d, c, cap in CLUSTER_EXTRA]
     tool = _cuobjdump()
@@ -319,5 +324,6 @@ def test_prebuild_specs_cover_workloads():
     assert workloads["op"] == "qsa"
     specs = qsa.prebuild_specs(workloads)
     labels = {s.label for s in specs}
-    assert qsa._decode_family.spec((16, 128, *qsa.DECODE_CONFIG[128])).label in labels
+    spec = qsa._decode_family.spec((16, 128, *qsa.SINGLE_PASS_128))
+    assert spec.label in labels
     assert {s.family for s in specs} == {"qsa_slots", "qsa_decode", "qsa_decode_cluster"}

@@ -62,6 +62,56 @@ def test_gpu_cluster_split_k(shape, splits, fused, strict):
     assert (case["out"][1] == 0).all() and (case["out"][3] == 0).all()
 
 
+# The round-5 opt-in variants (tools/bench_qsa.py OPT_IN): single-pass slot lookahead and
+# stage configs, an 8-warp cluster. (num_splits, config, slot_ahead)
+OPT_IN = [(1, None, 2), (1, None, 3), (1, (4, 4, 3), 1), (1, (4, 4, 3), 2), (4, (8, 3, 1), None),
+          (2, (8, 3, 1), None), (8, (4, 6, 1), None), (4, (8, 5, 1), None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", OPT_IN)
+@pytest.mark.parametrize("topk, hq, hkv", [(40, 8, 2), (77, 16, 1), (1000, 64, 4)])
+def test_gpu_opt_in_variants(variant, topk, hq, hkv, strict):
+    """Every opt-in variant on short (fewer chunks than the lookahead) and long selections,
+    with the -1 / valid-count / bad-request hazards."""
+    splits, config, ahead = variant
+    case = add_hazards(make_case(rows=9, hq=hq, hkv=hkv, d=128, page=64, topk=topk,
+                                 width=-(-topk // 64) + 3, num_blocks=60, device="cuda",
+                                 seed=topk + splits, combined=topk % 2 == 0))
+    case["out"].fill_(float("nan"))
+    qsa._run_kernels(*args_of(case), num_splits=splits, config=config, slot_ahead=ahead)
+    torch.cuda.synchronize()
+    assert_close(case["out"], ref_of(case))
+    assert (case["out"][1] == 0).all() and (case["out"][3] == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_opt_in_flips_with_warmup(jit_cache, strict, monkeypatch):
+    """The one-line flips (SINGLE_PASS_128, ONE_WAVE_CLUSTER_128): warm-up compiles what the
+    flipped dispatcher then launches, and the results stay exact."""
+    monkeypatch.setattr(qsa, "SINGLE_PASS_128", (4, 4, 3, 2))
+    monkeypatch.setattr(qsa, "ONE_WAVE_CLUSTER_128", (8, 5, 1))
+    kv = torch.zeros(60, 2, 64, 256, dtype=torch.uint8, device="cuda")
+    kv.view(torch.float8_e4m3fn).copy_(torch.randn(kv.shape, device="cuda").to(torch.float8_e4m3fn))
+    ready = warmup_qsa_fp8_decode(kv, torch.zeros(2, 4, dtype=torch.int32, device="cuda"),
+                                  num_query_heads=16, selection_width=1000)
+    assert ("qsa_decode", (8, 128, 4, 4, 3, 2)) in ready
+    assert any(p[2:5] == (8, 5, 1) for name, p in ready if name == "qsa_decode_cluster")
+    monkeypatch.setenv("FLASHINFER_JIT_DISABLE", "1")  # everything below was warmed up
+    k_cache, v_cache = kv.transpose(1, 2).split(128, dim=-1)
+    # rows=7 through the dispatcher: a 4-CTA one-wave cluster; the decode: the single pass
+    assert qsa.split_count(7, 2, 1000) == 4
+    for fn in (qsa_sparse_paged_attention, qsa_sparse_paged_decode):
+        case = make_case(rows=7, hq=16, hkv=2, d=128, page=64, topk=1000, width=20,
+                         num_blocks=60, num_requests=3, device="cuda", seed=5)
+        case.update(k_cache=k_cache, v_cache=v_cache)
+        case = add_hazards(case)
+        got = fn(*args_of(case))
+        torch.cuda.synchronize()
+        assert_close(got, ref_of(case))
+        assert (got[1] == 0).all() and (got[3] == 0).all()
+
+
 @pytest.mark.gpu
 def test_gpu_bad_split_arguments(strict):
     case = make_case(rows=2, device="cuda")
@@ -69,6 +119,10 @@ def test_gpu_bad_split_arguments(strict):
         qsa._run_kernels(*args_of(case), num_splits=9)
     with pytest.raises(ValueError, match="fused"):  # no cluster, no in-kernel slots
         qsa._run_kernels(*args_of(case), num_splits=1, fused=True)
+    with pytest.raises(ValueError, match="slot_ahead"):
+        qsa._run_kernels(*args_of(case), slot_ahead=5)
+    with pytest.raises(ValueError, match="config"):
+        qsa._run_kernels(*args_of(case), config=(4, 9, 1))
 
 
 @pytest.mark.gpu
@@ -165,6 +219,10 @@ GRAPH_RUNS = {
     "dispatch": lambda args: qsa_sparse_paged_attention(*args),
     "cluster8_fused": lambda args: qsa._run_kernels(*args, num_splits=8, fused=True),
     "cluster2_slots": lambda args: qsa._run_kernels(*args, num_splits=2, fused=False),
+    "decode_ahead2": lambda args: qsa._run_kernels(*args, slot_ahead=2),
+    "decode_s4_ahead2": lambda args: qsa._run_kernels(*args, config=(4, 4, 3), slot_ahead=2),
+    "cluster4_w8": lambda args: qsa._run_kernels(*args, num_splits=4, config=(8, 3, 1)),
+    "cluster8_s6": lambda args: qsa._run_kernels(*args, num_splits=8, config=(4, 6, 1)),
 }
 
 

@@ -1,6 +1,7 @@
 """Benchmark QSA fp8 sparse paged decode on a GPU: split-count sweep, crossover, issue table.
 
     python tools/bench_qsa.py [--no-sweep]            # about 1.5 minutes on the H200
+    python tools/bench_qsa.py --lean                  # issue-shape k table, opt-in vs default, issue table
     python tools/bench_qsa.py --ncu-one [--splits K]  # ONE decode launch, rows=512 (for ncu)
 
 Inputs follow the issue: D=128, page 64, valid_count uniform in [topk/2, topk] and -1 past
@@ -47,6 +48,21 @@ ISSUE_SHAPES = {
 # Split variants timed per shape: (label, num_splits, fused).
 VARIANTS = [("k1", 1, False), ("k2 f", 2, True), ("k2 s", 2, False), ("k4 f", 4, True)]
 VARIANTS += [("k4 s", 4, False), ("k8 f", 8, True), ("k8 s", 8, False)]
+VARIANTS_LEAN = [("k1", 1, False), ("k2 f", 2, True), ("k2 s", 2, False), ("k4 f", 4, True)]
+# Round-5 opt-in variants (not dispatched): label -> _run_kernels overrides. Single-pass
+# shapes (rows*Hkv >= DECODE_MIN_PROGRAMS) try the slot lookahead and a 4-stage config;
+# cluster shapes try 8 warps per CTA at the dispatcher's split count.
+OPT_IN_SINGLE = {
+    "a2": dict(slot_ahead=2),
+    "a3": dict(slot_ahead=3),
+    "s4x3": dict(config=(4, 4, 3), slot_ahead=1),
+    "s4x3 a2": dict(config=(4, 4, 3), slot_ahead=2),
+}
+OPT_IN_CLUSTER = {
+    "w8": dict(config=(8, 3, 1)),
+    "s6": dict(config=(4, 6, 1)),
+    "w8s5": dict(config=(8, 5, 1)),
+}
 _probe_family = kernel_family(
     "qsa_gather_probe",
     "qsa_probe.cuh",
@@ -233,13 +249,13 @@ def timed(run, sets, expect):
         return f"ERR {type(exc).__name__}: {exc}"[:60]
 
 
-def sweep_row(shape, gib, seed, with_probe):
-    """[floor, probe, every VARIANTS time, best label, the dispatcher's k] of one shape."""
+def sweep_row(shape, gib, seed, with_probe, variants=VARIANTS):
+    """[floor, probe, every variant's time, best label, the dispatcher's k] of one shape."""
     rows, hq, hkv, topk = shape
     sets = make_sets(*shape, n_sets_for(rows, hkv, topk), gib, seed=seed)
     expect = reference_of(sets[0])
     times = {}
-    for label, splits, fused in VARIANTS:
+    for label, splits, fused in variants:
         if fused and not qsa._fused_fits(topk, splits):
             continue
         times[label] = timed(variant(splits, fused), sets, expect)
@@ -251,24 +267,73 @@ def sweep_row(shape, gib, seed, with_probe):
         else qsa.split_count(rows, hkv, topk)
     )
     best = min(ok, key=ok.get) if ok else None
-    return [floor_us(sets[0]), probe, *[times.get(v[0]) for v in VARIANTS], best, k]
+    return [floor_us(sets[0]), probe, *[times.get(v[0]) for v in variants], best, k]
 
 
-def bench_splits(gib, shapes, title, with_probe) -> None:
+def bench_splits(gib, shapes, title, with_probe, variants=VARIANTS) -> None:
     print(f"\n== {title}: graph µs per call (k1 = single pass; f/s = fused slots/slot pass)")
     out = []
     for i, shape in enumerate(shapes):
         rows, hq, hkv, topk = shape
         try:
-            out.append(
-                [f"{rows}/{hq}/{hkv}/{topk}", rows * hkv, *sweep_row(shape, gib, i, with_probe)]
-            )
+            row = sweep_row(shape, gib, i, with_probe, variants)
+            out.append([f"{rows}/{hq}/{hkv}/{topk}", rows * hkv, *row])
         except Exception as exc:
             traceback.print_exc()
             out.append([f"{rows}/{hq}/{hkv}/{topk}", rows * hkv, f"ERR {exc}"[:60]])
         torch.cuda.empty_cache()
-    head = ["rows/Hq/Hkv/topk", "rows*Hkv", "floor", "probe", *[v[0] for v in VARIANTS]]
+    head = ["rows/Hq/Hkv/topk", "rows*Hkv", "floor", "probe", *[v[0] for v in variants]]
     print(table([*head, "best", "rule k"], out))
+
+
+def bench_opt_in(gib) -> None:
+    """Each issue shape: the shipped path against the opt-in variants at the same split
+    count. The default is timed before and after the variants (drift check); a variant
+    WINS only when it beats the better default time by more than 1%."""
+    print("\n== opt-in variants vs the shipped default (graph µs per call, same split count)")
+    labels = [*OPT_IN_SINGLE, *OPT_IN_CLUSTER]
+    out, verdicts = [], []
+    for i, shape in enumerate(ISSUE_SHAPES):
+        rows, hq, hkv, topk = shape
+        name = f"{rows}/{hq}/{hkv}/{topk}"
+        try:
+            sets = make_sets(*shape, n_sets_for(rows, hkv, topk), gib, seed=10 + i)
+            expect = reference_of(sets[0])
+            single = qsa.use_fp8_decode_kernel(rows * hkv, torch.uint8)
+            k = 1 if single else qsa.split_count(rows, hkv, topk)
+            before = timed(variant(k, None), sets, expect)
+            times = {}
+            for label, kw in (OPT_IN_SINGLE if single else OPT_IN_CLUSTER).items():
+                run = lambda a, kw=kw, k=k: qsa._run_kernels(*a, num_splits=k, **kw)  # noqa: E731
+                times[label] = timed(run, sets, expect)
+            after = timed(variant(k, None), sets, expect)
+            base = [t for t in (before, after) if isinstance(t, float)]
+            ok = {lbl: t for lbl, t in times.items() if isinstance(t, float)}
+            best = min(ok, key=ok.get) if ok else None
+            win = bool(base and best and ok[best] < 0.99 * min(base))
+            gain = f"{100 * (1 - ok[best] / min(base)):+.1f}%" if base and best else "-"
+            row = [name, f"k{k}", before, after, *[times.get(lbl) for lbl in labels]]
+            # ONE_WAVE_CLUSTER_128 only reaches grids of at most one CTA per SM
+            flippable = single or rows * hkv * k <= qsa._sm_count(torch.cuda.current_device())
+            verdict = ("WIN" if flippable else "win (info only)") if win else "default"
+            out.append([*row, best, gain, verdict])
+            verdicts.append(
+                f"{name}: {'opt-in ' + best + ' ' + verdict if win else 'default stays'}"
+            )
+            del sets
+        except Exception as exc:
+            traceback.print_exc()
+            out.append([name, f"ERR {type(exc).__name__}: {exc}"[:60]])
+        torch.cuda.empty_cache()
+    head = ["rows/Hq/Hkv/topk", "k", "default", "default again", *labels, "best opt-in", "gain"]
+    print(table([*head, "verdict"], out))
+    print("opt-in verdicts: " + "; ".join(verdicts))
+    print(
+        "single-pass flip (one line, flashinfer_jit/qsa.py): SINGLE_PASS_128 = (4, 3, 4, 2) for "
+        "a2, (4, 3, 4, 3) a3, (4, 4, 3, 1) s4x3, (4, 4, 3, 2) s4x3 a2. Cluster flip (grids of "
+        "one CTA per SM only, i.e. the rows=4 shape): ONE_WAVE_CLUSTER_128 = (8, 3, 1) w8, "
+        "(4, 6, 1) s6, (8, 5, 1) w8s5"
+    )
 
 
 def bench_issue(gib) -> None:
@@ -317,12 +382,15 @@ def ncu_one(gib: float, splits: int) -> None:
     args = make_sets(512, 64, 4, 2048, 1, gib, seed=5)[0]
     qsa._run_kernels(*args, num_splits=splits, fused=False)
     torch.cuda.synchronize()
-    print(f"one decode launch done: {splits} split(s), config {qsa.DECODE_CONFIG[HEAD_DIM]}")
+    print(f"one decode launch done: {splits} split(s), single pass {qsa.SINGLE_PASS_128}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-sweep", action="store_true", help="issue shapes and table only")
+    parser.add_argument(
+        "--lean", action="store_true", help="issue-shape k table, opt-in comparison, issue table"
+    )
     parser.add_argument("--gib", type=float, default=6.0, help="cache pool size")
     parser.add_argument("--ncu-one", action="store_true", help="one decode launch, then exit")
     parser.add_argument("--splits", type=int, default=1, help="split count for --ncu-one")
@@ -336,13 +404,15 @@ def main() -> None:
     )
     print(
         f"dispatch: single pass when rows*Hkv >= {qsa.DECODE_MIN_PROGRAMS}, else a cluster of "
-        f"split_count() CTAs; decode configs (warps, stages, min CTAs/SM) {qsa.DECODE_CONFIG}"
+        f"split_count() CTAs; decode configs (warps, stages, min CTAs/SM) {qsa.DECODE_CONFIG}, "
+        f"D=128 single pass (+ slot lookahead) {qsa.SINGLE_PASS_128}"
     )
-    sections = [(True, lambda gib: bench_splits(gib, list(ISSUE_SHAPES), "issue shapes", True))]
+    shapes, ks = list(ISSUE_SHAPES), VARIANTS_LEAN if opts.lean else VARIANTS
+    sections = [(True, lambda gib: bench_splits(gib, shapes, "issue shapes", True, ks))]
     crossover = [(r, 64, 4, t) for t in (2048, 8192) for r in (16, 64, 256)]
-    sections.append(
-        (not opts.no_sweep, lambda gib: bench_splits(gib, crossover, "G=16 Hkv=4", False))
-    )
+    sweep = not (opts.no_sweep or opts.lean)
+    sections.append((sweep, lambda gib: bench_splits(gib, crossover, "G=16 Hkv=4", False)))
+    sections.append((True, bench_opt_in))
     sections.append((True, bench_issue))
     for enabled, section in sections:
         if enabled:
