@@ -245,19 +245,18 @@ _FUSED = {
 
 
 # ``auto``'s policy, per compute capability, from kernel times (tools/bench_mla_kv_pack.py,
-# back-to-back calls in a CUDA graph; BENCHMARKS.md has the table).
+# back-to-back calls in CUDA graphs, median of interleaved rounds; BENCHMARKS.md).
 # sm_90 (H200, measured): the specialized kernel wins with one head at every token count
-# (its warp-per-token layout; 131072 x 1: 37.7 vs 44.3 µs) and for tiny calls of at most
-# 256 token-heads (1 x 128: 1.68 vs 1.85 µs); cake wins or ties (within 0.5 %) elsewhere.
+# (its warp-per-token layout; 131072 x 1: 37.3 vs 43.7 µs) and for calls of at most 16
+# tokens (16 x 128: 2.21 vs 2.30 µs); cake wins or ties (within 2.5 %) everywhere else.
 # sm_100/sm_103 (not measured here): the seed's rule from GB300/B200 numbers, the fully
 # unrolled specialized variant for 12 local heads and cake for every other head count.
-_SM90_SPECIALIZED_MAX_TOKEN_HEADS = 256
+_SM90_SPECIALIZED_MAX_TOKENS = 16
 
 
 def _auto_first(tokens: int, heads: int, cap: tuple[int, int]) -> str:
     if cap == (9, 0):
-        small = tokens * heads <= _SM90_SPECIALIZED_MAX_TOKEN_HEADS
-        return "specialized" if heads == 1 or small else "cake"
+        return "specialized" if heads == 1 or tokens <= _SM90_SPECIALIZED_MAX_TOKENS else "cake"
     return "specialized" if heads == 12 else "cake"
 
 
