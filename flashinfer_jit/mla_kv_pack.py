@@ -233,10 +233,6 @@ def _launch_specialized(kv_nope, k_pe, key, value, heads_per_warp: int | None = 
     _launch(_plan_specialized(kv_nope, k_pe, heads_per_warp), kv_nope, k_pe, key, value)
 
 
-def _launch_cake(kv_nope, k_pe, key, value, head_group: int | None = None) -> None:
-    _launch(_plan_cake(kv_nope, k_pe, head_group), kv_nope, k_pe, key, value)
-
-
 # name -> (its own refusal, its planner)
 _FUSED = {
     "specialized": (_specialized_refusal, _plan_specialized),

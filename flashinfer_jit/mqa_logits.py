@@ -17,16 +17,17 @@ import torch
 from jit_kernels import (
     KernelSpec,
     KernelUnavailable,
+    capability,
     current_stream,
     fall_back,
     kernels_disabled,
+    sm_count,
     validate_inputs,
 )
 
 from ._jit import cuda_device_index, kernel_family
 from .mqa_logits_checks import (
     CHECKED_MAX,
-    capability,
     check_args,
     check_dtypes,
     check_out,
@@ -40,7 +41,6 @@ from .mqa_logits_checks import (
     ring_regs,
     ring_stages,
     signature,
-    sm_count,
     validate_preconditions,
 )
 from .mqa_logits_fast import FAST, fast_allowed, remember

@@ -7,10 +7,11 @@ a clear exception naming the argument and the rule before any launch.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
+
+from jit_kernels import sm_count
 
 from ._jit import cuda_device_index
 
@@ -38,22 +39,6 @@ def padded_seq_len(max_seq_len: int) -> int:
     if max_seq_len < 0:
         raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
     return -(-max_seq_len // STORE_GRANULARITY) * STORE_GRANULARITY
-
-
-@functools.cache
-def sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.cache
-def smem_optin(device: int) -> int:
-    props = torch.cuda.get_device_properties(device)
-    return int(getattr(props, "shared_memory_per_block_optin", 232448))
-
-
-@functools.cache
-def capability(device: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 def smem_bytes(n: int, dim: int, warpgroups: int) -> int:

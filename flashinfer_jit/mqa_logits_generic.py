@@ -11,10 +11,10 @@ from __future__ import annotations
 import itertools
 import logging
 
-from jit_kernels import KernelSpec, KernelUnavailable
+from jit_kernels import KernelSpec, KernelUnavailable, sm_count
 
 from ._jit import kernel_family
-from .mqa_logits_checks import FLOAT_DTYPES, ring_smem_bytes, ring_stages, sm_count
+from .mqa_logits_checks import FLOAT_DTYPES, ring_smem_bytes, ring_stages
 
 log = logging.getLogger(__name__)
 GENERIC_ROWS = 256  # Q rows of the generic kernel's buffer: next_n * num_heads <= 256

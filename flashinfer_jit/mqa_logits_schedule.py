@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from jit_kernels import KernelUnavailable, current_stream, fall_back, kernels_disabled
+from jit_kernels import KernelUnavailable, current_stream, fall_back, kernels_disabled, sm_count
 
 from ._jit import cuda_device_index, kernel_family
-from .mqa_logits_checks import BLOCK_SIZES, TILE, sm_count
+from .mqa_logits_checks import BLOCK_SIZES, TILE
 
 _SCHEDULE_THREADS = 256
 

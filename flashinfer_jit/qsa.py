@@ -13,11 +13,17 @@ semantics and serves CPU tensors and every call the kernels cannot take.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from jit_kernels import KernelSpec, KernelUnavailable, current_stream, fall_back, kernels_disabled
+from jit_kernels import (
+    KernelSpec,
+    KernelUnavailable,
+    capability,
+    current_stream,
+    fall_back,
+    kernels_disabled,
+    sm_count,
+)
 
 from ._jit import cuda_device_index, kernel_family
 from .qsa_checks import (
@@ -174,7 +180,7 @@ def _run_kernels(
     slots = None if fused else _resolve_slots(logical_indices, block_table, token_to_req, k_cache)
     shipped = DECODE_CONFIG[head_dim] if cluster else _single_pass_config(head_dim)[:3]
     one_wave = ONE_WAVE_CLUSTER_128 if head_dim == 128 else None
-    if cluster and one_wave and rows * num_kv_heads * num_splits <= _sm_count(device):
+    if cluster and one_wave and rows * num_kv_heads * num_splits <= sm_count(device):
         shipped = one_wave
     config = shipped if config is None else _checked_config(config, head_dim)
     params = (num_q_heads // num_kv_heads, head_dim, *config)
@@ -203,11 +209,6 @@ def _run_kernels(
         args,
         smem=_decode_smem_bytes(head_dim, *config, cluster, slot_cap),
     )
-
-
-@functools.cache
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _single_pass_config(head_dim: int) -> tuple[int, int, int, int]:
@@ -414,7 +415,7 @@ def warmup_qsa_fp8_decode(
         or num_kv_heads < 1
         or num_query_heads % num_kv_heads
         or not 1 <= num_query_heads // num_kv_heads <= MAX_GROUP
-        or torch.cuda.get_device_capability(kv_cache.device) < (8, 9)
+        or capability(cuda_device_index(kv_cache)) < (8, 9)
     ):
         return ()
     device = cuda_device_index(kv_cache)

@@ -11,6 +11,10 @@ import math
 
 import torch
 
+from jit_kernels import capability
+
+from ._jit import cuda_device_index
+
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16
@@ -122,7 +126,7 @@ def kernel_refusal(q, k_cache, v_cache, logical_indices, out, output_gate) -> st
     """Why the kernels cannot serve this call (None when they can)."""
     if q.device.type != "cuda":
         return "tensors are not on a CUDA device"
-    if torch.cuda.get_device_capability(q.device) < (8, 9):
+    if capability(cuda_device_index(q)) < (8, 9):
         return "compute capability below 8.9 (no e4m3 conversion instructions)"
     rows, num_q_heads, head_dim = q.shape
     num_blocks, page_size, num_kv_heads, _ = k_cache.shape

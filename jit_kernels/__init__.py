@@ -4,7 +4,14 @@ The engine knows no op: ops describe kernel families (a template and its paramet
 and call ``KernelFamily.get(params, device).launch(...)``.
 """
 
-from .arch import DEFAULT_OFFLINE_ARCHS, arch_for_capability, capability, device_arch, target_archs
+from .arch import (
+    DEFAULT_OFFLINE_ARCHS,
+    arch_for_capability,
+    capability,
+    device_arch,
+    sm_count,
+    target_archs,
+)
 from .build import KernelBuilder
 from .cache import CubinCache, InsecureCacheError, default_cache_root, prebuilt_roots
 from .compile import CompiledKernel, CompileError, compile_cubin, nvrtc_version
@@ -40,6 +47,7 @@ __all__ = [
     "nvrtc_version",
     "prebuilt_roots",
     "render",
+    "sm_count",
     "target_archs",
     "validate_inputs",
 ]

@@ -29,6 +29,12 @@ def capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """A device's multiprocessor count, memoized: persistent grids size from it per call."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def device_arch(device: int | torch.device) -> str:
     index = device.index if isinstance(device, torch.device) else device
     return arch_for_capability(*capability(torch.cuda.current_device() if index is None else index))

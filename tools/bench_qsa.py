@@ -314,7 +314,7 @@ def bench_opt_in(gib) -> None:
             gain = f"{100 * (1 - ok[best] / min(base)):+.1f}%" if base and best else "-"
             row = [name, f"k{k}", before, after, *[times.get(lbl) for lbl in labels]]
             # ONE_WAVE_CLUSTER_128 only reaches grids of at most one CTA per SM
-            flippable = single or rows * hkv * k <= qsa._sm_count(torch.cuda.current_device())
+            flippable = single or rows * hkv * k <= qsa.sm_count(torch.cuda.current_device())
             verdict = ("WIN" if flippable else "win (info only)") if win else "default"
             out.append([*row, best, gain, verdict])
             verdicts.append(
