@@ -31,8 +31,9 @@ def kernel_family(
     param_names: Sequence[str],
     signature: Sequence[str],
     compiler: str = "nvrtc",
+    archs: Sequence[str] = (),
 ) -> KernelFamily:
-    return KernelFamily(BUILDER, family, template, kernel, param_names, signature, compiler)
+    return KernelFamily(BUILDER, family, template, kernel, param_names, signature, compiler, archs)
 
 
 def cuda_device_index(tensor: torch.Tensor) -> int:

@@ -47,7 +47,7 @@ def _tasks(ops: list[str], archs: tuple[str, ...], workload_file: str | None) ->
     for op in ops:
         module = importlib.import_module(OPS[op])
         for spec in module.prebuild_specs(_workloads(op, module, override)):
-            tasks += [BuildTask(op, spec, arch) for arch in archs]
+            tasks += [BuildTask(op, spec, arch) for arch in archs if spec.supports(arch)]
     return tasks
 
 

@@ -10,6 +10,7 @@ kernels cannot serve) lives in ``mqa_logits_ref``.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 
 import torch
@@ -51,6 +52,15 @@ from .mqa_logits_schedule import (
     _schedule_family,
     compute_paged_mqa_logits_schedule,
 )
+from .mqa_logits_tma import (
+    TMA_DIM,
+    kv_tensor_map,
+    tma_config,
+    tma_family,
+    tma_smem_bytes,
+    tma_stages,
+    tma_threads,
+)
 
 __all__ = [
     "compute_paged_mqa_logits_schedule",
@@ -59,6 +69,7 @@ __all__ = [
     "padded_seq_len",
 ]
 OP = "fp8_paged_mqa_logits"
+log = logging.getLogger("flashinfer_jit.mqa_logits")
 WORKLOADS = "mqa_logits_workloads.json"
 
 
@@ -83,7 +94,9 @@ _logits_family = kernel_family(
 # (warpgroups, stages, portable, ring) forced by tools/bench_mqa_logits.py and the tests
 # to compare variants; stages 0 means "as many as fit" for the ring kernel. `portable`
 # (mma.sync on widened fragments, the sm_100a/sm_103a code path) is never chosen on
-# sm_90a: it exists so the H200 tests cover what the other arches run.
+# sm_90a: it exists so the H200 tests cover what the other arches run. A 4-tuple turns
+# the TMA kernel off; ("tma", warpgroups, stages, producers, probe) forces that kernel's
+# config (stages 0: as many as fit; probe: stream the tiles only, write nothing).
 _config_override: tuple | None = None
 _force_generic = False  # tests and the benchmark: always use the generic kernel
 
@@ -137,7 +150,7 @@ _plans: dict[tuple, tuple] = {}
 def _launchable(plan: tuple, what: str) -> tuple:
     """``plan`` if one block fits an SM (registers x threads, shared memory), else
     KernelUnavailable: a config that cannot launch is refused here, never at launch time."""
-    kernel, _, block, smem, _ = plan
+    kernel, _, block, smem, _, _ = plan
     if kernel.blocks_per_sm(block[0], smem) < 1:
         raise KernelUnavailable(
             f"{what} cannot launch: {kernel.num_regs()} registers x {block[0]} threads, "
@@ -146,8 +159,55 @@ def _launchable(plan: tuple, what: str) -> tuple:
     return plan
 
 
+def _tma_eligible(dim: int, device: int) -> bool:
+    """The TMA kernel serves sm_90 at head_dim 128 unless a ring/direct config is forced."""
+    forced = _config_override is not None
+    if forced and _config_override[0] == "tma":
+        return True
+    return not forced and dim == TMA_DIM and capability(device) == (9, 0)
+
+
+def _tma_plan(geometry, dtypes, device: int) -> tuple:
+    _, next_n, heads, dim, block_size = geometry
+    n = next_n * heads
+    if _config_override is not None:
+        _, warpgroups, stages, producers, probe = _config_override
+        stages = stages or tma_stages(n, warpgroups, producers)
+    else:
+        (warpgroups, stages, producers), probe = tma_config(n), False
+    params = (next_n, heads, dim, block_size, *dtypes, warpgroups, stages, producers, probe)
+    kernel = tma_family.get(params, device)
+    smem = tma_smem_bytes(n, warpgroups, stages)
+    threads = tma_threads(warpgroups, producers)
+
+    def kv_map(kv_ptr: int, kv_fused) -> tuple[bytes]:
+        return (kv_tensor_map(kv_ptr, kv_fused.shape[0], block_size),)
+
+    return kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, (), kv_map
+
+
+def _specialized_plan(geometry, dtypes, device: int) -> tuple:
+    """The TMA kernel where it applies and can be had, else the ring/direct kernel."""
+    _, next_n, heads, dim, block_size = geometry
+    if _tma_eligible(dim, device):
+        try:
+            return _launchable(_tma_plan(geometry, dtypes, device), "TMA kernel")
+        except KernelUnavailable as exc:
+            log.info("fp8_paged_mqa_logits: TMA kernel unavailable for %s (%s)", geometry, exc)
+    params = _params(next_n, heads, dim, block_size, *dtypes)
+    kernel = _logits_family.get(params, device)
+    warpgroups, stages, _, ring = params[7:11]
+    smem = kernel_smem(next_n * heads, dim, warpgroups, stages, ring)
+    threads = 128 * warpgroups + (32 if ring else 0)  # the ring kernel's producer warp
+    plan = (kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, (), None)
+    return _launchable(plan, kernel.name)
+
+
 def _plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int) -> tuple:
-    """(kernel, grid, block, smem, extra args): the specialization, else the generic kernel."""
+    """(kernel, grid, block, smem, extra args, kv args) of the kernel that serves: the TMA
+    kernel (sm_90, head_dim 128), else the ring/direct specialization, else the generic
+    kernel. ``extra`` is appended to every launch's arguments; ``kv args``, when not None,
+    maps (kv_fused address, kv_fused) to the per-pool arguments appended after them."""
     jit_off = os.environ.get("FLASHINFER_JIT_DISABLE") == "1"
     key = (
         geometry,
@@ -161,19 +221,12 @@ def _plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int) -> tuple:
     )
     plan = _plans.get(key)
     if plan is None:
-        _, next_n, heads, dim, block_size = geometry
         dtypes = (output_dtype, epi_dtype, acc_dtype)
         if _force_generic:
             plan = _launchable(generic_plan(geometry, *dtypes, device, "forced"), "generic kernel")
         else:
             try:
-                params = _params(next_n, heads, dim, block_size, *dtypes)
-                kernel = _logits_family.get(params, device)
-                warpgroups, stages, _, ring = params[7:11]
-                smem = kernel_smem(next_n * heads, dim, warpgroups, stages, ring)
-                threads = 128 * warpgroups + (32 if ring else 0)  # the ring kernel's producer warp
-                plan = (kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, ())
-                plan = _launchable(plan, kernel.name)
+                plan = _specialized_plan(geometry, dtypes, device)
             except KernelUnavailable as exc:
                 plan = generic_plan(geometry, *dtypes, device, str(exc))
                 plan = _launchable(plan, "generic kernel")
@@ -197,7 +250,7 @@ def _launch(
     """Launch; return the plan used."""
     device = cuda_device_index(q)
     plan = _plan(geometry, output_dtype, epi_dtype, acc_dtype, device)
-    kernel, grid, block, smem, extra = plan
+    kernel, grid, block, smem, extra, kv_args = plan
     q = q if q.is_contiguous() else q.contiguous()
     weights = weights if weights.is_contiguous() else weights.contiguous()
     args = (
@@ -214,6 +267,8 @@ def _launch(
         geometry[0],
         *extra,
     )
+    if kv_args is not None:
+        args += kv_args(kv_fused.data_ptr(), kv_fused)
     kernel.launch(grid, block, current_stream(device), args, smem)
     return plan
 
@@ -232,9 +287,10 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
         workloads.get("acc_dtype", ["float32"]),
     ):
         geometry = (int(next_n), int(heads), int(dim), int(block))
-        specs.add(
-            _logits_family.spec(_params(*geometry, dtype[out_dt], dtype[epi_dt], dtype[acc_dt]))
-        )
+        dtypes = (dtype[out_dt], dtype[epi_dt], dtype[acc_dt])
+        specs.add(_logits_family.spec(_params(*geometry, *dtypes)))
+        if geometry[2] == TMA_DIM:  # sm_90a's kernel (the spec names its arch)
+            specs.add(tma_family.spec((*geometry, *dtypes, *tma_config(next_n * heads), False)))
     return sorted(specs, key=str)
 
 
@@ -340,13 +396,15 @@ def fp8_paged_mqa_logits(
                         (fast.rows, fast.cols), dtype=fast.dtype, device=fast.torch_device
                     )
                     o_stride = (fast.cols,)
-                kernel, grid, block, smem, extra = fast.plan
+                kernel, grid, block, smem, extra, kv_args = fast.plan
                 args = (
                     q_ptr, kv_ptr, weights.data_ptr(), block_tables.data_ptr(), t_stride[0],
                     seq_lens.data_ptr(), l_stride[0],
                     0 if schedule_meta is None else schedule_meta.data_ptr(),
                     out.data_ptr(), o_stride[0], fast.batch, *extra,
                 )  # fmt: skip
+                if kv_args is not None:
+                    args += kv_args(kv_ptr, kv_fused)
                 kernel.launch(grid, block, current_stream(fast.device), args, smem)
                 return out if fast.whole else out[: fast.rows, :max_seq_len]
     try:

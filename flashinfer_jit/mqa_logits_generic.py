@@ -31,7 +31,7 @@ generic_family = kernel_family(
 
 
 def generic_plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int, why: str) -> tuple:
-    """(kernel, grid, block, smem, extra args) of the generic kernel for this call."""
+    """The launch plan (see mqa_logits._plan) of the generic kernel for this call."""
     _, next_n, heads, dim, block_size = geometry
     stages = ring_stages(GENERIC_ROWS, dim, GENERIC_WARPGROUPS)
     if dim > GENERIC_MAX_DIM or stages < 2:
@@ -41,7 +41,7 @@ def generic_plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int, why:
     smem = ring_smem_bytes(GENERIC_ROWS, dim, GENERIC_WARPGROUPS, stages)
     threads = 128 * GENERIC_WARPGROUPS + 32
     extra = (next_n, heads, dim, block_size, stages)
-    return kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, extra
+    return kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, extra, None
 
 
 def generic_specs() -> list[KernelSpec]:

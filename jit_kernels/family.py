@@ -35,11 +35,13 @@ class KernelFamily:
         param_names: Sequence[str],
         signature: Sequence[str],
         compiler: str = "nvrtc",
+        archs: Sequence[str] = (),
     ):
         self.builder = builder
         self.family, self.template, self.kernel = family, template, kernel
         self.param_names = tuple(param_names)
         self.compiler = compiler
+        self.archs = tuple(archs)
         self.packer = ArgPacker(signature)
         self._loaded: dict[tuple[tuple[ParamValue, ...], int], LoadedKernel] = {}
         self._lock = threading.Lock()
@@ -53,6 +55,7 @@ class KernelFamily:
             self.kernel,
             tuple(zip(self.param_names, params, strict=True)),
             self.compiler,
+            self.archs,
         )
 
     def get(self, params: tuple[ParamValue, ...], device: int) -> LoadedKernel:
@@ -62,6 +65,10 @@ class KernelFamily:
     def _load(self, params: tuple[ParamValue, ...], device: int) -> LoadedKernel:
         spec = self.spec(params)
         arch = device_arch(device)
+        if not spec.supports(arch):
+            raise KernelUnavailable(
+                f"{spec.label} is built for {', '.join(spec.archs)} only, not {arch}"
+            )
         if os.environ.get(JIT_DISABLE_ENV) == "1":
             compiled = self.builder.cache.lookup(
                 arch, spec.family, self.builder.cache_key(spec, arch)

@@ -16,7 +16,24 @@ import torch
 
 from .compile import CompiledKernel
 
-_ALIGN = {"b": 1, "B": 1, "h": 2, "H": 2, "i": 4, "I": 4, "f": 4, "q": 8, "Q": 8, "d": 8, "P": 8}
+_ALIGN = {
+    "b": 1,
+    "B": 1,
+    "h": 2,
+    "H": 2,
+    "i": 4,
+    "I": 4,
+    "f": 4,
+    "q": 8,
+    "Q": 8,
+    "d": 8,
+    "P": 8,
+    "M": 64,
+}
+# Codes that are not plain ``struct`` codes: P a device pointer (packed as Q), M a
+# CUtensorMap (128 opaque bytes, 64-byte aligned; passed as ``bytes``).
+_STRUCT_CODE = {"P": "Q", "M": "128s"}
+_SIZE = {"M": 128}
 
 
 class LaunchError(RuntimeError):
@@ -35,7 +52,8 @@ class ArgPacker:
 
     ``signature`` holds one ``struct`` code string per kernel parameter, e.g.
     ``("P", "P", "i", "f")`` for ``(T*, T*, int, float)`` or ``"Pii"`` for a
-    by-value ``{void*; int; int}`` (a CuTe-DSL tensor). ``P`` is a device pointer.
+    by-value ``{void*; int; int}`` (a CuTe-DSL tensor). ``P`` is a device pointer,
+    ``M`` a ``__grid_constant__`` CUtensorMap given as its 128 bytes.
     """
 
     def __init__(self, signature: Sequence[str]):
@@ -47,8 +65,8 @@ class ArgPacker:
             offsets.append(cursor)
             for code in param:
                 pad = -cursor % _ALIGN[code]
-                fmt += "x" * pad + ("Q" if code == "P" else code)
-                cursor += pad + _ALIGN[code]
+                fmt += "x" * pad + _STRUCT_CODE.get(code, code)
+                cursor += pad + _SIZE.get(code, _ALIGN[code])
         self.struct = struct.Struct(fmt)
         self.offsets = tuple(offsets)
         self.signature = tuple(signature)

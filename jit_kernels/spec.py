@@ -42,7 +42,8 @@ class KernelSpec:
     ``compiler`` is ``"nvrtc"`` (``template`` is a CUDA C++ header defining the
     ``__global__`` function template ``kernel``) or ``"cute"`` (``template`` is a Python
     file whose ``build(params, arch)`` compiles a CuTe-DSL kernel). ``params`` are the
-    ordered template arguments.
+    ordered template arguments. ``archs`` names the only targets the template supports
+    (e.g. ``("sm_90a",)`` for a wgmma kernel); empty means every arch.
     """
 
     family: str
@@ -50,6 +51,10 @@ class KernelSpec:
     kernel: str
     params: tuple[tuple[str, ParamValue], ...]
     compiler: str = "nvrtc"
+    archs: tuple[str, ...] = ()
+
+    def supports(self, arch: str) -> bool:
+        return not self.archs or arch in self.archs
 
     @property
     def param_dict(self) -> dict[str, ParamValue]:

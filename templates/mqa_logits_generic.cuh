@@ -183,8 +183,8 @@ paged_mqa_logits_generic(const unsigned char* __restrict__ q, const unsigned cha
   ring_init(full0, empty0, stages);  // (synchronizes the block: sched is visible)
   const int len = sched[2];
   if ((int)threadIdx.x >= kGenWgs * 128) {
-    ring_produce(smem, meta, full0, empty0, stages, stage_bytes, dim, block, sched, kv, block_tables, bt_stride,
-                 seq_lens, sl_stride, batch);
+    ring_produce(meta, full0, empty0, stages, block, sched, BulkTileCopy{smem, kv, stage_bytes, dim, block},
+                 block_tables, bt_stride, seq_lens, sl_stride, batch);
     return;
   }
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;

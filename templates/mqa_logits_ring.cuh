@@ -81,77 +81,103 @@ __device__ __forceinline__ void ring_init(unsigned full0, unsigned empty0, int s
   __syncthreads();
 }
 
-// The producer warp: streams this CTA's tiles (sched = request, tile, count) into the
-// ring, stage i % stages for tile i, and writes (request, tile, readable rows) to meta.
-// Geometry arguments are compile-time constants in the specialized kernels (folded after
-// inlining) and runtime values in the generic one.
-__device__ __forceinline__ void ring_produce(unsigned char* smem, int4* meta, unsigned full0, unsigned empty0,
-                                             int stages, int stage_bytes, int dim, int block, const int* sched,
-                                             const unsigned char* __restrict__ kv,
+// How the ring kernels copy one 64-token tile into ring stage s: `cp.async.bulk` of the
+// contiguous fp8 rows and the fp32 scales of the tile's KV block(s), completing on `bar`.
+// `blk0`/`blk1` are the tile's first/second KV block (32-token blocks), `t` its tile index
+// in the request (which half of a 128-token block), `two` whether the second block exists.
+struct BulkTileCopy {
+  unsigned char* smem;
+  const unsigned char* kv;
+  int stage_bytes, dim, block;
+  __device__ __forceinline__ void operator()(int s, unsigned bar, int blk0, int blk1, int t, bool two) const {
+    const int kbytes = kTile * dim;
+    const long long block_bytes = (long long)block * (dim + 4);
+    const unsigned dst = smem_u32(smem + s * stage_bytes);
+    const unsigned char* base = kv + (long long)blk0 * block_bytes;
+    if (block >= kTile) {
+      const int part = t % (block / kTile);  // which 64-token half of a 128-token block
+      mbar_arrive_tx(bar, stage_bytes);
+      bulk_copy(dst, base + part * kbytes, kbytes, bar);
+      bulk_copy(dst + kbytes, base + block * dim + part * kTile * 4, kTile * 4, bar);
+    } else {  // 32-token blocks: the second may not exist at the end of a request
+      mbar_arrive_tx(bar, two ? stage_bytes : stage_bytes / 2);
+      bulk_copy(dst, base, block * dim, bar);
+      bulk_copy(dst + kbytes, base + block * dim, block * 4, bar);
+      if (two) {
+        const unsigned char* base1 = kv + (long long)blk1 * block_bytes;
+        bulk_copy(dst + block * dim, base1, block * dim, bar);
+        bulk_copy(dst + kbytes + block * 4, base1 + block * dim, block * 4, bar);
+      }
+    }
+  }
+};
+
+// Where one of a producer warp's tiles is: request, tile, readable rows, KV block(s).
+struct TileWhere {
+  int b, t, rows, blk0, blk1;
+};
+
+// Lane-parallel lookahead of a producer warp: lane l walks the warp's tiles l, l + 32, ...
+// (in the warp's own tile order) and loads their block-table entries one batch of 32 tiles
+// before the warp issues them, so no copy waits on a dependent global load. (The walk to
+// the next batch starts after a batch's first copy: the first copies go out first.)
+struct TileCursor {
+  int b, t, seq;
+  __device__ __forceinline__ TileWhere where(int block, const int* __restrict__ block_tables, long long bt_stride,
+                                             int batch) const {
+    const int nblk = (seq + block - 1) / block, first = t * kTile / block;
+    TileWhere w{b, t, nblk * block, 0, 0};
+    if (b < batch) {
+      w.blk0 = first < nblk ? block_tables[b * bt_stride + first] : 0;
+      w.blk1 = block < kTile && first + 1 < nblk ? block_tables[b * bt_stride + first + 1] : 0;
+    }
+    return w;
+  }
+  __device__ __forceinline__ void advance(int tiles, const int* seq_lens, long long sl_stride, int batch) {
+    t += tiles;
+    skip_empty(b, t, seq, seq_lens, sl_stride, batch);
+  }
+};
+
+// A producer warp: streams this CTA's tiles (sched = request, tile, count) into the ring,
+// stage i % stages for tile i, with `copy` (BulkTileCopy or the TMA kernel's), and writes
+// (request, tile, readable rows) to meta. With `producers` > 1 warps, warp p takes tiles
+// p, p + producers, ... (stages % producers == 0 keeps a stage with one warp). Geometry
+// arguments are compile-time constants in the specialized kernels (folded after inlining)
+// and runtime values in the generic one.
+template <typename Copy>
+__device__ __forceinline__ void ring_produce(int4* meta, unsigned full0, unsigned empty0, int stages, int block,
+                                             const int* sched, const Copy& copy,
                                              const int* __restrict__ block_tables, long long bt_stride,
-                                             const int* __restrict__ seq_lens, long long sl_stride, int batch) {
+                                             const int* __restrict__ seq_lens, long long sl_stride, int batch,
+                                             int producer = 0, int producers = 1) {
   const int lane = threadIdx.x & 31, len = sched[2];
-  const int kbytes = kTile * dim;
-  const long long block_bytes = (long long)block * (dim + 4);
-  int b = sched[0], t = sched[1];
-  int seq = b < batch ? max(0, seq_lens[b * sl_stride]) : 0;
-  skip_empty(b, t, seq, seq_lens, sl_stride, batch);
-  const int per = block < kTile ? kTile / block : 1;  // KV blocks per tile
-  int ent_b = -1, ent_base = 0, entry = 0;  // lane l holds block_tables[ent_b][ent_base + l]
-  int s = 0;
-  unsigned phase = 0;
-  for (int i = 0; i < len; ++i) {
-    if (b >= batch) {  // an inconsistent caller schedule: pad with empty tiles, never hang
-      mbar_wait(empty0 + 8 * s, phase ^ 1);
-      if (lane == 0) {
+  TileCursor cur{sched[0], sched[1], 0};
+  cur.seq = cur.b < batch ? max(0, seq_lens[cur.b * sl_stride]) : 0;
+  cur.advance(producer + lane * producers, seq_lens, sl_stride, batch);
+  TileWhere now = cur.where(block, block_tables, bt_stride, batch), next = now;
+  for (int o = 0, i = producer; i < len; ++o, i += producers) {
+    const int j = o & 31;
+    if (j == 0 && o > 0) now = next;  // a new batch: its entries arrived meanwhile
+    if (j == 1) {  // fetch the next batch's entries (a last batch of one tile needs none)
+      cur.advance(32 * producers, seq_lens, sl_stride, batch);
+      next = cur.where(block, block_tables, bt_stride, batch);
+    }
+    const int b = __shfl_sync(0xffffffffu, now.b, j), t = __shfl_sync(0xffffffffu, now.t, j);
+    const int rows = __shfl_sync(0xffffffffu, now.rows, j);
+    const int blk0 = __shfl_sync(0xffffffffu, now.blk0, j), blk1 = __shfl_sync(0xffffffffu, now.blk1, j);
+    const int s = i % stages;
+    mbar_wait(empty0 + 8 * s, ((i / stages) & 1) ^ 1);
+    if (lane == 0) {
+      if (b >= batch) {  // an inconsistent caller schedule: pad with empty tiles, never hang
         meta[s] = make_int4(batch, 0, 0, 0);
         mbar_arrive(full0 + 8 * s);
-      }
-      __syncwarp();
-      if (++s == stages) {
-        s = 0;
-        phase ^= 1;
-      }
-      continue;
-    }
-    const int nblk = (seq + block - 1) / block;
-    const int first = t * kTile / block;
-    if (b != ent_b || first + per - 1 >= ent_base + 32) {  // the next 32 table entries, coalesced
-      ent_b = b;
-      ent_base = first;
-      entry = first + lane < nblk ? block_tables[b * bt_stride + first + lane] : 0;
-    }
-    const int blk0 = __shfl_sync(0xffffffffu, entry, first - ent_base);
-    const int blk1 = __shfl_sync(0xffffffffu, entry, min(first + 1 - ent_base, 31));
-    mbar_wait(empty0 + 8 * s, phase ^ 1);
-    if (lane == 0) {
-      meta[s] = make_int4(b, t, nblk * block, 0);
-      const unsigned dst = smem_u32(smem + s * stage_bytes), bar = full0 + 8 * s;
-      const unsigned char* base = kv + (long long)blk0 * block_bytes;
-      if (block >= kTile) {
-        const int part = t % (block / kTile);  // which 64-token half of a 128-token block
-        mbar_arrive_tx(bar, stage_bytes);
-        bulk_copy(dst, base + part * kbytes, kbytes, bar);
-        bulk_copy(dst + kbytes, base + block * dim + part * kTile * 4, kTile * 4, bar);
-      } else {  // 32-token blocks: the second may not exist at the end of a request
-        const bool two = first + 1 < nblk;
-        mbar_arrive_tx(bar, two ? stage_bytes : stage_bytes / 2);
-        bulk_copy(dst, base, block * dim, bar);
-        bulk_copy(dst + kbytes, base + block * dim, block * 4, bar);
-        if (two) {
-          const unsigned char* base1 = kv + (long long)blk1 * block_bytes;
-          bulk_copy(dst + block * dim, base1, block * dim, bar);
-          bulk_copy(dst + kbytes + block * 4, base1 + block * dim, block * 4, bar);
-        }
+      } else {
+        meta[s] = make_int4(b, t, rows, 0);
+        copy(s, full0 + 8 * s, blk0, blk1, t, (t * kTile / block) + 1 < rows / block);
       }
     }
     __syncwarp();
-    if (++s == stages) {
-      s = 0;
-      phase ^= 1;
-    }
-    ++t;
-    skip_empty(b, t, seq, seq_lens, sl_stride, batch);
   }
 }
 
@@ -180,8 +206,8 @@ __device__ __forceinline__ void ring_body(unsigned char* smem, const int* sched,
   const int len = sched[2];
   const int lane = threadIdx.x & 31;
   if ((int)threadIdx.x >= WGS * 128) {
-    ring_produce(smem, meta, full0, empty0, STAGES, L::kStage, DIM, BLOCK, sched, kv, block_tables, bt_stride,
-                 seq_lens, sl_stride, batch);
+    ring_produce(meta, full0, empty0, STAGES, BLOCK, sched, BulkTileCopy{smem, kv, L::kStage, DIM, BLOCK},
+                 block_tables, bt_stride, seq_lens, sl_stride, batch);
     return;
   }
 

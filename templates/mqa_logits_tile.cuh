@@ -125,7 +125,7 @@ __device__ __forceinline__ void tile_mma(const unsigned (&ka)[2][DIM / 16], cons
 // loaded once per request), which saves N/4 shared loads per tile when registers allow.
 struct WeightsSmem {
   const float* p;  // the buffer + 2 tig
-  __device__ __forceinline__ float get(int i, int j) const { return p[i * 8 + j]; }
+  __device__ __forceinline__ float2 get2(int i) const { return *reinterpret_cast<const float2*>(p + i * 8); }
 };
 template <int N>
 struct WeightsReg {
@@ -137,7 +137,7 @@ struct WeightsReg {
       v[i][1] = wbuf[i * 8 + tig * 2 + 1];
     }
   }
-  __device__ __forceinline__ float get(int i, int j) const { return v[i][j]; }
+  __device__ __forceinline__ float2 get2(int i) const { return make_float2(v[i][0], v[i][1]); }
 };
 
 template <int NEXT_N, int HEADS, typename OutT, typename EpiT, typename AccT, typename W>
@@ -149,24 +149,24 @@ __device__ __forceinline__ void tile_store(const unsigned* acc_u, const W& wts, 
   constexpr bool F16EPI = same_type<EpiT, fij::half_t>::value;
   constexpr bool F16OUT = same_type<OutT, fij::half_t>::value;
   const float* acc_f = reinterpret_cast<const float*>(acc_u);
-  float part[NEXT_N][2];
+  // f32 epilogue: two independent FMA chains per (t, row), summed at the end (ILP).
+  float part[NEXT_N][2], part_b[NEXT_N][2];
   unsigned short hpart[NEXT_N][2];
 #pragma unroll
   for (int t = 0; t < NEXT_N; ++t) {
-    part[t][0] = part[t][1] = 0.f;
+    part[t][0] = part[t][1] = part_b[t][0] = part_b[t][1] = 0.f;
     hpart[t][0] = hpart[t][1] = 0;
   }
 #pragma unroll
   for (int i = 0; i < N / 8; ++i) {
     const int t_lo = (i * 8) / HEADS, t_hi = (i * 8 + 7) / HEADS;
     const bool low = (i * 8 + tig * 2) < (t_lo + 1) * HEADS;  // which t this thread's pair is in
-    const int col = i * 8 + tig * 2;
+    const float2 w = wts.get2(i);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if constexpr (F16EPI) {
         const unsigned x = F16ACC ? acc_u[2 * i + r] : pack_h2(acc_f[4 * i + 2 * r], acc_f[4 * i + 2 * r + 1]);
-        const unsigned w2 = pack_h2(wts.get(i, 0), wts.get(i, 1));
-        const unsigned short y = hsum2(hfma2(hrelu2(x), w2, 0u));
+        const unsigned short y = hsum2(hfma2(hrelu2(x), pack_h2(w.x, w.y), 0u));
         if (t_lo == t_hi || low)
           hpart[t_lo][r] = hadd(hpart[t_lo][r], y);
         else
@@ -174,10 +174,11 @@ __device__ __forceinline__ void tile_store(const unsigned* acc_u, const W& wts, 
       } else {
         const float x0 = F16ACC ? h2_lo(acc_u[2 * i + r]) : acc_f[4 * i + 2 * r];
         const float x1 = F16ACC ? h2_hi(acc_u[2 * i + r]) : acc_f[4 * i + 2 * r + 1];
-        const float y = fmaf(fmaxf(x0, 0.f), wts.get(i, 0), fmaxf(x1, 0.f) * wts.get(i, 1));
         if (t_lo == t_hi) {
-          part[t_lo][r] += y;
-        } else {
+          part[t_lo][r] = fmaf(fmaxf(x0, 0.f), w.x, part[t_lo][r]);
+          part_b[t_lo][r] = fmaf(fmaxf(x1, 0.f), w.y, part_b[t_lo][r]);
+        } else {  // a pair never straddles two t (HEADS % 4 == 0): it is all t_lo or all t_hi
+          const float y = fmaf(fmaxf(x0, 0.f), w.x, fmaxf(x1, 0.f) * w.y);
           part[t_lo][r] += low ? y : 0.f;
           part[t_hi][r] += low ? 0.f : y;
         }
@@ -202,7 +203,7 @@ __device__ __forceinline__ void tile_store(const unsigned* acc_u, const W& wts, 
           else *reinterpret_cast<float*>(dst) = h2f(res);
         }
       } else {
-        float v = part[t][r];
+        float v = part[t][r] + part_b[t][r];
         v += __shfl_xor_sync(0xffffffffu, v, 1);
         v += __shfl_xor_sync(0xffffffffu, v, 2);
         v *= sc;

@@ -380,9 +380,15 @@ def test_prebuild_specs_cover_workloads():
     labels = [s.label for s in specs]
     assert any(s.family == "mqa_logits_schedule" for s in specs)
     assert sum(s.family == "mqa_logits_generic" for s in specs) == 8  # every dtype triple
-    assert len(specs) == 1 + 8 + math.prod(
+    shapes = math.prod(
         len(workloads[k]) for k in ("next_n", "num_heads", "head_dim", "block_size", "output_dtype")
     )
+    # Every workload point has its ring/direct kernel (every arch) and, at head_dim 128, the
+    # TMA kernel, which is built for sm_90a only.
+    tma = [s for s in specs if s.family == "mqa_logits_tma"]
+    assert len(tma) == shapes and all(s.archs == ("sm_90a",) for s in tma)
+    assert not any(s.supports("sm_100a") for s in tma)
+    assert len(specs) == 1 + 8 + 2 * shapes
     assert all("portable=False" in lbl for lbl in labels if lbl.startswith("mqa_logits["))
 
 
@@ -484,7 +490,7 @@ def test_fast_path_replays_the_full_path(monkeypatch, request):
         def launch(self, grid, block, stream, args, smem):
             calls.append((grid, block, args, smem))
 
-    plan = (Kernel(), (7, 1, 1), (288, 1, 1), 1234, ())
+    plan = (Kernel(), (7, 1, 1), (288, 1, 1), 1234, (), None)
     monkeypatch.setattr(mq, "_kernel_refusal", lambda q, kv: None)
     monkeypatch.setattr(mq, "_plan", lambda *a: plan)
     import flashinfer_jit.mqa_logits_fast as mqf

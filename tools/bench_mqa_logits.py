@@ -41,37 +41,55 @@ ROWS = [  # B, next_n, H, L, DeepGEMM us, target us (eager), target us (graph re
     (128, 3, 64, 16384, None, 85, None),
     (128, 4, 32, 16384, None, 85, None),
 ]
-# (warpgroups, stages, portable, ring); None = the default choice (ring, 2 consumer
-# warpgroups, as many stages as fit); stages 0 = as many as fit.
+# Variants: None = the dispatcher's choice (on sm_90 the TMA kernel); ("tma", warpgroups,
+# stages, producer warps, probe) the TMA kernel forced (stages 0 = as many as fit; probe =
+# stream the tiles only, no math, no output: the streaming time alone); (warpgroups, stages,
+# portable, ring) the ring/direct kernels of mqa_logits.cuh; "generic" the runtime-
+# geometry fallback kernel.
 VARIANTS = [
     None,
-    (1, 0, False, True),
+    ("tma", 1, 0, 1, False),
+    ("tma", 2, 0, 2, False),
+    ("tma", 3, 0, 1, False),
+    ("tma", 4, 0, 4, False),
+    ("tma", 2, 0, 1, True),
+    ("tma", 2, 0, 4, True),
+    (2, 0, False, True),
     (3, 0, False, True),
-    (4, 0, False, True),  # opt-in: 4 consumer warpgroups (96 registers: next_n*H <= 64)
-    (2, 6, False, True),
     (4, 2, False, False),  # the register-fed direct kernel (auto above head_dim ~448)
-    "generic",  # the runtime-geometry kernel (one cubin per dtype triple)
+    "generic",
 ]
-# auto (3 consumer warpgroups from next_n*H 64), round 2's default (2 warpgroups), the
-# opt-in 4 consumer warpgroups (consumer-bound rows; generic where it cannot fit) and the
-# generic fallback kernel.
-LEAN_VARIANTS = [None, (2, 0, False, True), (4, 0, False, True), "generic"]
+LEAN_VARIANTS = [None, ("tma", 2, 0, 1, True), (3, 0, False, True), "generic"]
+# --sweep: the TMA kernel's (warpgroups, producer warps) grid and two probes, graph-timed.
+SWEEP_VARIANTS = [
+    None,
+    *(
+        ("tma", w, 0, p, False)
+        for w, p in ((1, 1), (2, 1), (2, 2), (2, 4), (3, 1), (4, 1), (4, 2), (4, 4))
+    ),
+    ("tma", 2, 0, 1, True),
+    ("tma", 2, 0, 4, True),
+]
 BLOCK_ROWS = {(256, 1, 64, 8192), (128, 3, 64, 16384)}  # rows compared at blocks 32/128
 
 
 def vname(v) -> str:
     if v is None or v == "generic":
         return v or "auto"
+    if v[0] == "tma":
+        return f"{'probe' if v[4] else 'tma'}{v[1]}x{v[2] or 'max'}p{v[3]}"
     kind = "ring" if v[3] else "direct"
     return f"{kind}{'-mma' if v[2] else ''}{v[0]}x{v[1] or 'max'}"
 
 
-def make_set(batch, next_n, heads, length, block, gen, device="cuda"):
+def make_set(batch, next_n, heads, length, block, gen, device="cuda", shuffle=True):
     lens = torch.randint(int(0.7 * length), length + 1, (batch,), generator=gen, dtype=torch.int32)
     need = (lens + block - 1) // block
     num_blocks = int(need.sum())
     width = mq.min_block_table_width(length, block)
-    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    perm = (torch.randperm(num_blocks, generator=gen) if shuffle else torch.arange(num_blocks)).to(
+        torch.int32
+    )
     table = torch.zeros(batch, width, dtype=torch.int32)
     start = 0
     for b in range(batch):
@@ -172,7 +190,7 @@ def floor_us(sets, next_n):
     return tokens * (D + 4 + 4 * next_n) / BW * 1e6
 
 
-def run_row(batch, next_n, heads, length, block, reps, variants, gen):
+def run_row(batch, next_n, heads, length, block, reps, variants, gen, graph=False):
     set_bytes = batch * 0.85 * length * (D + 4)
     n_sets = int(min(48, max(2, 240e6 // max(set_bytes, 1))))
     sets = [make_set(batch, next_n, heads, length, block, gen) for _ in range(n_sets)]
@@ -180,13 +198,19 @@ def run_row(batch, next_n, heads, length, block, reps, variants, gen):
     for v in variants:
         mq._config_override, mq._force_generic = (None, True) if v == "generic" else (v, False)
         try:
-            if isinstance(v, tuple):  # a forced config that cannot fit: not the generic's time
+            if isinstance(v, tuple) and v[0] != "tma":  # a forced config that cannot fit
                 f32 = torch.float32
                 mq._params(next_n, heads, D, block, f32, f32, f32)
             q, kv, w, table, lens = sets[0]
+            mq._plans.clear()
             logits = mq.fp8_paged_mqa_logits(q, kv, w, table, lens, length)
-            check(logits, q, kv, w, table, lens)
-            results[vname(v)] = time_eager(sets, length, reps)
+            served = next(iter(mq._plans.values()))[0].name
+            if v is not None and v[0] == "tma" and "mqa_logits_tma" not in served:
+                raise KernelUnavailable(f"the TMA kernel did not serve ({served})")
+            if not (isinstance(v, tuple) and v[0] == "tma" and v[4]):  # probes write nothing
+                check(logits, q, kv, w, table, lens)
+            timer = time_graph if graph else time_eager
+            results[vname(v)] = timer(sets, length, reps)
         except KernelUnavailable as exc:
             results[vname(v)] = None
             print(f"  [{batch},{next_n},{heads},{length},blk{block}] {vname(v)} n/a: {exc}")
@@ -199,6 +223,65 @@ def run_row(batch, next_n, heads, length, block, reps, variants, gen):
     return sets, results
 
 
+# The streaming probe's knobs: (warpgroups, stages, producer warps).
+PROBES = [
+    None,
+    *(("tma", 2, s, p, True) for s in (8, 16, 0) for p in (1, 4)),
+]
+
+
+def _event_us(fn, reps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def pool_probe(reps: int) -> None:
+    """What limits the streaming: the order of the KV blocks in the pool (TLB reach, DRAM
+    pages), the bytes in flight (stages), the copy issue rate (producer warps)?"""
+    rows = []
+    for shuffle in (True, False):
+        gen = torch.Generator().manual_seed(0)
+        sets = [make_set(256, 1, 64, 8192, 64, gen, shuffle=shuffle) for _ in range(2)]
+        for v in PROBES:
+            mq._config_override = v
+            mq.fp8_paged_mqa_logits(*sets[0], 8192)
+            rows.append(
+                ("shuffled" if shuffle else "sequential", vname(v), time_eager(sets, 8192, reps))
+            )
+            mq._config_override = None
+        rows.append(
+            ("shuffled" if shuffle else "sequential", "auto graph", time_graph(sets, 8192, reps))
+        )
+        del sets
+    print("\npool order probe, B=256 next_n=1 H=64 L=8192 block 64 (eager us unless noted):")
+    print("| pool | variant | us |")
+    for pool, name, t in rows:
+        print(f"| {pool} | {name} | {t:.1f} |")
+
+
+def sweep(reps: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    names = [vname(v) for v in SWEEP_VARIANTS]
+    table = []
+    for batch, next_n, heads, length, *_ in ROWS:
+        sets, res = run_row(batch, next_n, heads, length, 64, reps, SWEEP_VARIANTS, gen, graph=True)
+        table.append((batch, next_n, heads, length, floor_us(sets, next_n), res))
+        del sets
+        torch.cuda.empty_cache()
+    print("\nTMA config sweep, CUDA-graph replay us (block 64):")
+    print("| B | next_n | H | L | floor | " + " | ".join(names) + " |")
+    for batch, next_n, heads, length, floor, res in table:
+        cells = " | ".join("-" if res.get(n) is None else f"{res[n]:.1f}" for n in names)
+        print(f"| {batch} | {next_n} | {heads} | {length} | {floor:.1f} | {cells} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=200)
@@ -206,7 +289,23 @@ def main() -> None:
     parser.add_argument(
         "--lean", action="store_true", help="auto + LEAN_VARIANTS, 100 reps (one device call)"
     )
+    parser.add_argument(
+        "--pool-probe",
+        action="store_true",
+        help="only B=256 next_n=1: auto and the streaming probe on a shuffled and a sequential pool",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="the TMA kernel's config grid, timed as CUDA-graph replays (kernel time, no host)",
+    )
     args = parser.parse_args()
+    if args.sweep:
+        sweep(args.reps)
+        return
+    if args.pool_probe:
+        pool_probe(args.reps)
+        return
     variants = [None] if args.quick else LEAN_VARIANTS if args.lean else VARIANTS
     if args.lean:
         args.reps = min(args.reps, 100)
@@ -239,10 +338,9 @@ def main() -> None:
                     target,
                 )
             )
-            if gtarget is not None:
-                replay = time_graph(sets, length, args.reps)
-                host = host_us(sets, length, args.reps)
-                graphs.append((batch, next_n, heads, length, replay, gtarget, host))
+            replay = time_graph(sets, length, args.reps)  # the auto kernel without host time
+            host = host_us(sets, length, args.reps)
+            graphs.append((batch, next_n, heads, length, replay, gtarget, host))
             del sets
             for block in (32, 128) if (batch, next_n, heads, length) in BLOCK_ROWS else ():
                 bsets, bres = run_row(batch, next_n, heads, length, block, args.reps, [None], gen)
@@ -278,10 +376,10 @@ def main() -> None:
         print(
             f"| {batch} | {next_n} | {heads} | {length} | {block} | {f(t)} | {f(t64)} | {ratio} |"
         )
-    print("\nCUDA-graph replay (out=, schedule_meta=None):")
-    print("| B | next_n | H | L | replay us | target us | host us per eager call |")
+    print("\nCUDA-graph replay of auto (out=, schedule_meta=None) and host time per eager call:")
+    print("| B | next_n | H | L | replay us | replay target us | host us per eager call |")
     for batch, next_n, heads, length, t, target, host in graphs:
-        print(f"| {batch} | {next_n} | {heads} | {length} | {f(t)} | {target} | {f(host)} |")
+        print(f"| {batch} | {next_n} | {heads} | {length} | {f(t)} | {target or '-'} | {f(host)} |")
     print(
         "\nfp8_paged_mqa_logits, H200, D=128, block 64, seq lens in [0.7L, L], fp32 logits, eager:"
     )

@@ -7,7 +7,7 @@
 
 The first call compiles/loads and warms up (skipped by --launch-skip 1); the second is
 the profiled launch. --variant forces (warpgroups, stages, portable, ring) as the
-benchmark's variants do, e.g. 4,2,0,0 for the direct kernel.
+benchmark's variants do, e.g. 4,2,0,0 for the direct kernel, or tma,W,S,PRODUCERS,PROBE.
 """
 
 from __future__ import annotations
@@ -33,9 +33,16 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--block", type=int, default=64)
-    parser.add_argument("--variant", default=None, help="W,S,PORTABLE,RING (default: auto)")
+    parser.add_argument(
+        "--variant",
+        default=None,
+        help="W,S,PORTABLE,RING or tma,W,S,PRODUCERS,PROBE (default: auto)",
+    )
     args = parser.parse_args()
-    if args.variant:
+    if args.variant and args.variant.startswith("tma,"):
+        w, s, producers, p = (int(x) for x in args.variant.split(",")[1:])
+        mq._config_override = ("tma", w, s, producers, bool(p))
+    elif args.variant:
         w, s, p, r = (int(x) for x in args.variant.split(","))
         mq._config_override = (w, s, bool(p), bool(r))
     gen = torch.Generator().manual_seed(0)

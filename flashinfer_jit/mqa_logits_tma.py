@@ -1,0 +1,116 @@
+"""The sm_90a TMA form of the paged MQA logits kernel (templates/mqa_logits_tma.cuh): its
+family, launch configuration and the tensor map over the fused KV pool.
+
+The tensor map views the pool's fp8 values as ``[num_blocks][block_size][128]`` bytes
+(block stride ``block_size * 132``) with the 128-byte swizzle wgmma reads. It depends on
+the pool's address and size only, so it is encoded once per pool and cached: a serving
+engine's pool never moves, and the hot path is one dict lookup.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jit_kernels import KernelUnavailable
+
+from ._jit import kernel_family
+from .mqa_logits_checks import SMEM_LIMIT, STATIC_SMEM, TILE, reg_cap
+
+TMA_DIM = 128  # head_dim the kernel is specialized for (one 128-byte swizzle row per token)
+TMA_MAX_STAGES = 24
+TMA_PRODUCERS = 1  # producer warps (each issues every PRODUCERS-th tile's copies)
+_VALUES = TILE * TMA_DIM  # fp8 bytes of one 64-token tile
+
+tma_family = kernel_family(
+    "mqa_logits_tma",
+    "mqa_logits_tma.cuh",
+    "fij_mqa::paged_mqa_logits_tma",
+    (
+        "next_n",
+        "num_heads",
+        "head_dim",
+        "block_size",
+        "output_dtype",
+        "epi_dtype",
+        "acc_dtype",
+        "warpgroups",
+        "stages",
+        "producers",
+        "probe",
+    ),
+    ("P", "P", "P", "P", "q", "P", "q", "P", "P", "q", "i", "M"),
+    archs=("sm_90a",),
+)
+
+
+def tma_regs(n: int) -> int:
+    """Registers a consumer thread needs: f32 accumulators + ~48 of addressing and epilogue."""
+    return n // 2 + 48
+
+
+def tma_smem_bytes(n: int, warpgroups: int, stages: int) -> int:
+    """Dynamic shared memory (TmaLayout in the template, + 1024 bytes of alignment slack):
+    per stage the tile's values, scales, descriptor and two mbarriers; per warpgroup two
+    Q buffers and two weight buffers."""
+    return stages * (_VALUES + TILE * 4 + 32) + warpgroups * 2 * (n * TMA_DIM + n * 4) + 1024
+
+
+def tma_stages(n: int, warpgroups: int, producers: int = TMA_PRODUCERS) -> int:
+    """The most stages (a multiple of the warpgroups and of the producer warps, capped)
+    that fit beside the Q buffers."""
+    free = SMEM_LIMIT - STATIC_SMEM - tma_smem_bytes(n, warpgroups, 0)
+    stages = max(0, min(TMA_MAX_STAGES, free // (_VALUES + TILE * 4 + 32)))
+    unit = math.lcm(warpgroups, producers)
+    return stages // unit * unit
+
+
+def tma_threads(warpgroups: int, producers: int) -> int:
+    return 128 * warpgroups + 32 * producers
+
+
+def tma_config(n: int) -> tuple[int, int, int]:
+    """(warpgroups, stages, producers): the most consumer warpgroups (at most 4) whose
+    accumulators fit the register cap of the block, with at least 4 ring stages."""
+    for warpgroups in (4, 3, 2, 1):
+        stages = tma_stages(n, warpgroups)
+        cap = reg_cap(tma_threads(warpgroups, TMA_PRODUCERS))
+        if tma_regs(n) <= cap and stages >= max(4, warpgroups):
+            return warpgroups, stages, TMA_PRODUCERS
+    raise KernelUnavailable(f"next_n*num_heads={n} does not fit the TMA kernel")
+
+
+_maps: dict[tuple[int, int, int], bytes] = {}
+_MAPS_MAX = 64
+
+
+def kv_tensor_map(kv_ptr: int, num_blocks: int, block_size: int) -> bytes:
+    """The 128-byte CUtensorMap of a fused pool (cached per address and size)."""
+    key = (kv_ptr, num_blocks, block_size)
+    found = _maps.get(key)
+    if found is not None:
+        return found
+    from cuda.bindings import driver as cu
+
+    if num_blocks < 1:
+        raise KernelUnavailable("kv_fused has no blocks: no tensor map to encode")
+    u64, u32 = cu.cuuint64_t, cu.cuuint32_t
+    err, tmap = cu.cuTensorMapEncodeTiled(
+        cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        3,
+        kv_ptr,
+        [u64(TMA_DIM), u64(block_size), u64(num_blocks)],
+        [u64(TMA_DIM), u64(block_size * (TMA_DIM + 4))],
+        [u32(TMA_DIM), u32(min(block_size, TILE)), u32(1)],
+        [u32(1), u32(1), u32(1)],
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    )
+    if int(err) != 0:
+        raise KernelUnavailable(f"cuTensorMapEncodeTiled failed for kv_fused: {err!r}")
+    encoded = b"".join(int(word).to_bytes(8, "little") for word in tmap.opaque)
+    if len(_maps) >= _MAPS_MAX:
+        _maps.clear()
+    _maps[key] = encoded
+    return encoded

@@ -1,0 +1,237 @@
+// The Hopper form of the paged MQA logits kernel (sm_90a, head_dim 128): both wgmma
+// operands come straight from shared memory, so a consumer warpgroup spends its issue
+// slots on the epilogue, not on moving K into registers.
+//
+//   * K: a producer warp streams each 64-token tile into a ring stage with the tensor
+//     memory accelerator (cp.async.bulk.tensor through a host-built tensor map over the
+//     fused pool viewed as [num_blocks][block_size][128] bytes, 128-byte swizzle), which
+//     lays the rows out as wgmma's K-major SW128 operand; the tile's fp32 scales follow
+//     with a plain bulk copy. Same ring, barriers and tile order as mqa_logits_ring.cuh.
+//   * Q: each consumer warpgroup keeps two SW128 Q buffers (+ weights). When it starts a
+//     request it prefetches the next request's Q with cp.async into the other buffer, so
+//     a request change costs a barrier, not a global-memory round trip.
+//   * Per tile: S^T = K_tile . Q^T with wgmma m64nNk32 (A and B descriptors), then the
+//     epilogue of mqa_logits_tile.cuh (ReLU, weights, head sum in-thread, scale, store).
+// PROBE (benchmark only) makes consumers release each stage untouched: the time of the
+// streaming alone.
+#pragma once
+#include "mqa_logits_ring.cuh"
+
+namespace fij_mqa {
+
+// A CUtensorMap by value (the driver's opaque 128-byte object, 64-byte aligned). Passed
+// as a __grid_constant__ parameter, so the TMA unit reads it from parameter memory.
+struct alignas(64) TensorMap {
+  unsigned long long words[16];
+};
+
+__device__ __forceinline__ void tma_load_rows(unsigned dst, const TensorMap* map, int row, int block, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(0), "r"(row), "r"(block), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_4(unsigned dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}
+
+// wgmma descriptor of a K-major e4m3 operand in the 128-byte swizzle: 128-byte rows, 8-row
+// groups 1024 bytes apart (SBO), the tile 1024-byte aligned. +2 per 32-byte k step.
+__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
+// Shared memory (bytes from a 1024-aligned base): value stages, two Q buffers per consumer
+// warpgroup, scales, two weight buffers per warpgroup, tile descriptors, mbarriers. The
+// host adds 1024 bytes of slack for the alignment. Mirrored by tma_smem_bytes in
+// flashinfer_jit/mqa_logits_checks.py.
+template <int N, int WGS, int STAGES>
+struct TmaLayout {
+  static constexpr int kVals = kTile * 128;
+  static constexpr int kQ = STAGES * kVals;
+  static constexpr int kScales = kQ + WGS * 2 * N * 128;
+  static constexpr int kW = kScales + STAGES * kTile * 4;
+  static constexpr int kMeta = kW + WGS * 2 * N * 4;
+  static constexpr int kBars = kMeta + STAGES * 16;
+  static constexpr int kBytes = kBars + STAGES * 16;
+};
+
+// The TMA kernel's tile copy (see BulkTileCopy): values through the tensor map (box of
+// 64 rows, 32 for 32-token blocks), scales with a bulk copy.
+template <int BLOCK>
+struct TmaTileCopy {
+  const TensorMap* map;
+  const unsigned char* kv;
+  unsigned vals0, scales0;
+  __device__ __forceinline__ void operator()(int s, unsigned bar, int blk0, int blk1, int t, bool two) const {
+    constexpr long long kBlockBytes = (long long)BLOCK * (128 + 4);
+    const unsigned vdst = vals0 + s * (kTile * 128), sdst = scales0 + s * (kTile * 4);
+    const unsigned char* scales = kv + (long long)blk0 * kBlockBytes + BLOCK * 128;
+    if constexpr (BLOCK >= kTile) {
+      const int part = t % (BLOCK / kTile);
+      mbar_arrive_tx(bar, kTile * 132);
+      tma_load_rows(vdst, map, part * kTile, blk0, bar);
+      bulk_copy(sdst, scales + part * kTile * 4, kTile * 4, bar);
+    } else {
+      mbar_arrive_tx(bar, (two ? 2 : 1) * BLOCK * 132);
+      tma_load_rows(vdst, map, 0, blk0, bar);
+      bulk_copy(sdst, scales, BLOCK * 4, bar);
+      if (two) {
+        tma_load_rows(vdst + BLOCK * 128, map, 0, blk1, bar);
+        bulk_copy(sdst + BLOCK * 4, kv + (long long)blk1 * kBlockBytes + BLOCK * 128, BLOCK * 4, bar);
+      }
+    }
+  }
+};
+
+// Q[b] (N rows of 128 e4m3 bytes) into a SW128 buffer and its N weights, asynchronously.
+template <int N>
+__device__ __forceinline__ void issue_q(const unsigned char* __restrict__ q, const float* __restrict__ weights,
+                                        int b, unsigned qdst, unsigned wdst, int tid) {
+  const unsigned char* src = q + (long long)b * N * 128;
+#pragma unroll
+  for (int idx = tid; idx < N * 8; idx += 128) {
+    const int n = idx >> 3, c = idx & 7;
+    cp_async_16(qdst + n * 128 + ((c ^ (n & 7)) << 4), src + idx * 16);
+  }
+  // 4-byte copies: weights rows need only the alignment of a float.
+  for (int n = tid; n < N; n += 128) cp_async_4(wdst + 4 * n, weights + (long long)b * N + n);
+}
+
+template <int N, bool F16ACC, int N0 = 0, typename T>
+__device__ __forceinline__ void wgmma_ss_chunks(T* acc, unsigned long long da, unsigned long long db, int scale_d) {
+  if constexpr (N0 < N) {
+    constexpr int R = N - N0;
+    constexpr int C = R >= 256 ? 256 : R >= 128 ? 128 : R >= 64 ? 64 : R >= 32 ? 32 : R >= 16 ? 16 : 8;
+    WgmmaSS<C, F16ACC>::run(acc + (F16ACC ? N0 / 4 : N0 / 2), da, db + (unsigned long long)(N0 * 128 >> 4), scale_d);
+    wgmma_ss_chunks<N, F16ACC, N0 + C>(acc, da, db, scale_d);
+  }
+}
+
+template <int NEXT_N, int HEADS, int DIM, int BLOCK, typename OutT, typename EpiT, typename AccT, int WGS, int STAGES,
+          int PRODUCERS, bool PROBE>
+__global__ void __maxnreg__(reg_cap(WGS * 128 + 32 * PRODUCERS))
+paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS, 128] e4m3, contiguous
+                     const unsigned char* __restrict__ kv,      // [num_blocks, BLOCK * 132] fused pool
+                     const float* __restrict__ weights,         // [B * NEXT_N, HEADS], contiguous
+                     const int* __restrict__ block_tables, long long bt_stride,
+                     const int* __restrict__ seq_lens, long long sl_stride,
+                     const int* __restrict__ schedule,          // [gridDim.x + 1, 2] or nullptr
+                     OutT* __restrict__ out, long long out_stride, int batch,
+                     const __grid_constant__ TensorMap kv_map) {  // the pool's fp8 values, see above
+  constexpr int N = NEXT_N * HEADS;
+  constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
+  constexpr int ACC_WORDS = F16ACC ? N / 4 : N / 2;
+  using L = TmaLayout<N, WGS, STAGES>;
+  static_assert(DIM == 128, "the TMA kernel is specialized for head_dim 128 (one 128-byte swizzle row)");
+  static_assert(N % 8 == 0 && N <= 256 && HEADS % 4 == 0, "unsupported geometry");
+  static_assert(BLOCK == 32 || BLOCK == 64 || BLOCK == 128, "block size");
+  static_assert(STAGES >= 1 && STAGES % WGS == 0 && STAGES % PRODUCERS == 0,
+                "ring stages must be a multiple of the consumer warpgroups and of the producer warps");
+
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ int red[32];
+  __shared__ int sched[3];
+  const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;  // SW128 tiles need 1024-byte alignment
+  unsigned char* smem = smem_raw + (base - smem_u32(smem_raw));
+  int4* meta = reinterpret_cast<int4*>(smem + L::kMeta);
+  const unsigned full0 = base + L::kBars, empty0 = full0 + 8 * STAGES;
+  if (threadIdx.x == WGS * 128)
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&kv_map)) : "memory");
+
+  cta_tiles<WGS * 128 + 32 * PRODUCERS>(schedule, seq_lens, sl_stride, batch, red, sched);
+  ring_init(full0, empty0, STAGES);  // (synchronizes the block: sched is visible)
+  const int len = sched[2];
+  if ((int)threadIdx.x >= WGS * 128) {
+    ring_produce(meta, full0, empty0, STAGES, BLOCK, sched,
+                 TmaTileCopy<BLOCK>{&kv_map, kv, base, base + L::kScales}, block_tables, bt_stride, seq_lens,
+                 sl_stride, batch, (threadIdx.x - WGS * 128) >> 5, PRODUCERS);
+    return;
+  }
+
+  // ---- consumer warpgroups: tile i of the run goes to warpgroup i % WGS -----------------
+  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
+  const unsigned bar_id = 1 + wg;
+  const unsigned qaddr0 = base + L::kQ + wg * 2 * (N * 128), waddr0 = base + L::kW + wg * 2 * (N * 4);
+  constexpr bool WREG = N / 2 + N / 4 + 48 <= reg_cap(WGS * 128 + 32 * PRODUCERS);
+  WeightsReg<WREG ? N : 8> wreg;
+  int q_b = -1, pf_b = -1, cur = 1;  // current request, prefetched request, current buffer
+
+  // Make request b current: its Q (prefetched, or loaded now) in buffer cur ^ 1, then
+  // prefetch the next request that has tiles into the buffer just left.
+  auto switch_to = [&](int b) {
+    const int nxt = cur ^ 1;
+    if (b != pf_b) {
+      cp_async_wait_all();  // a stale prefetch may still be landing in that buffer
+      issue_q<N>(q, weights, b, qaddr0 + nxt * (N * 128), waddr0 + nxt * (N * 4), tid);
+    }
+    cp_async_wait_all();
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes -> wgmma reads
+    asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
+    cur = nxt;
+    q_b = b;
+    const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) + (wg * 2 + cur) * N;
+    if constexpr (WREG) wreg.load(wbuf, tig);
+    int nb = b + 1;
+    for (int k = 0; k < 8 && nb < batch && seq_lens[nb * sl_stride] <= 0; ++k) ++nb;
+    pf_b = nb < batch && seq_lens[nb * sl_stride] > 0 ? nb : -1;
+    if (pf_b >= 0) issue_q<N>(q, weights, pf_b, qaddr0 + (cur ^ 1) * (N * 128), waddr0 + (cur ^ 1) * (N * 4), tid);
+  };
+
+  if (!PROBE && wg < len) {  // the first tile's Q loads while its KV streams in
+    int b = sched[0], t = sched[1] + wg;
+    int seq = b < batch ? max(0, seq_lens[b * sl_stride]) : 0;
+    skip_empty(b, t, seq, seq_lens, sl_stride, batch);
+    if (b < batch) {
+      issue_q<N>(q, weights, b, qaddr0, waddr0, tid);
+      pf_b = b;
+    }
+  }
+  for (int i = wg; i < len; i += WGS) {
+    const int s = i % STAGES;
+    mbar_wait(full0 + 8 * s, (i / STAGES) & 1);
+    const int4 m = meta[s];
+    if (PROBE || m.x >= batch) {  // the probe, or padding of an inconsistent caller schedule
+      release_stage(empty0 + 8 * s);
+      continue;
+    }
+    if (m.x != q_b) switch_to(m.x);
+    const unsigned long long da = sw128_desc(base + s * L::kVals);
+    const unsigned long long db = sw128_desc(qaddr0 + cur * (N * 128));
+    unsigned acc_u[ACC_WORDS];  // not cleared: the first k step does not read it (scale_d = 0)
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < DIM / 32; ++k) {
+      if constexpr (F16ACC)
+        wgmma_ss_chunks<N, true>(acc_u, da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
+      else
+        wgmma_ss_chunks<N, false>(reinterpret_cast<float*>(acc_u), da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    const float* scales = reinterpret_cast<const float*>(smem + L::kScales) + s * kTile;
+    const float sc0 = scales[warp * 16 + g], sc1 = scales[warp * 16 + g + 8];
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+    for (int w = 0; w < ACC_WORDS; ++w) asm volatile("" : "+r"(acc_u[w])::"memory");  // read after the wait
+    release_stage(empty0 + 8 * s);
+    if constexpr (WREG)
+      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc_u, wreg, sc0, sc1, m.x, m.y, m.z, out, out_stride, warp, g,
+                                                  tig);
+    else
+      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(
+          acc_u, WeightsSmem{reinterpret_cast<const float*>(smem + L::kW) + (wg * 2 + cur) * N + 2 * tig}, sc0, sc1,
+          m.x, m.y, m.z, out, out_stride, warp, g, tig);
+  }
+  cp_async_wait_all();  // no cp.async may outlive the block
+}
+
+}  // namespace fij_mqa

@@ -1,0 +1,122 @@
+"""The sm_90a TMA kernel of fp8_paged_mqa_logits: its launch configurations and cubins
+(CPU), and on an sm_90 GPU its results against the float64 reference of test_mqa_logits,
+including runs where one CTA walks every tile (the ring wraps, Q buffers switch and
+prefetch across many requests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashinfer_jit.mqa_logits as mq
+from flashinfer_jit._jit import BUILDER
+from flashinfer_jit.mqa_logits_checks import SMEM_LIMIT, STATIC_SMEM, reg_cap
+from flashinfer_jit.mqa_logits_tma import tma_config, tma_family, tma_regs, tma_smem_bytes
+from jit_kernels import compile_cubin, render
+
+from .test_mqa_logits import EDGE_LENS, _sass, assert_close, make_inputs, reference, run_and_check
+
+SHIPPED_N = sorted({nn * h for nn in (1, 2, 3, 4) for h in (32, 64)})
+
+
+@pytest.mark.parametrize("n", [8, *SHIPPED_N, 256])
+def test_configs_fit(n):
+    warpgroups, stages, producers = tma_config(n)
+    assert stages % warpgroups == 0 and stages % producers == 0 and stages >= 4
+    assert tma_smem_bytes(n, warpgroups, stages) + STATIC_SMEM <= SMEM_LIMIT
+    assert tma_regs(n) <= reg_cap(128 * warpgroups + 32 * producers)
+
+
+@pytest.mark.parametrize(
+    "next_n,heads,block", [(1, 64, 64), (2, 64, 32), (3, 64, 128), (4, 64, 64)]
+)
+def test_cubin_uses_tma_and_wgmma_without_spills(next_n, heads, block, tmp_path):
+    f32 = torch.float32
+    params = (next_n, heads, 128, block, f32, f32, f32, *tma_config(next_n * heads), False)
+    spec = tma_family.spec(params)
+    sass, res = _sass(compile_cubin(render(spec, BUILDER.template_root), "sm_90a").cubin, tmp_path)
+    assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills: {res}"
+    assert "UTMALDG.3D" in sass and "QGMMA" in sass
+    assert not spec.supports("sm_100a")
+
+
+# -- GPU ----------------------------------------------------------------------------------
+# ("tma", warpgroups, stages, producer warps, probe)
+TMA_VARIANTS = {
+    "auto": None,
+    "tma_1x3": ("tma", 1, 3, 1, False),  # a 3-stage ring: wraps every third tile
+    "tma_2x4p2": ("tma", 2, 4, 2, False),  # two producer warps
+    "tma_4x16p4": ("tma", 4, 16, 4, False),  # where next_n*heads fits 4 warpgroups
+}
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture
+def tma_variant(request, monkeypatch):
+    if not _sm90():
+        pytest.skip("the TMA kernel runs on sm_90 only")
+    monkeypatch.setattr(mq, "_config_override", TMA_VARIANTS[request.param])
+    monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a fallback to torch would hide a kernel bug
+    return request.param
+
+
+def _served_by_tma() -> bool:
+    return any("mqa_logits_tma" in p[0].name for p in mq._plans.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma_variant", list(TMA_VARIANTS), indirect=True)
+@pytest.mark.parametrize(
+    "next_n,heads,block_size",
+    [(1, 64, 64), (2, 32, 32), (3, 64, 128), (4, 64, 64), (2, 4, 64), (1, 32, 128), (4, 32, 32)],
+)
+def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
+    if tma_variant == "tma_4x16p4" and next_n * heads > 64:
+        pytest.skip("4 warpgroups fit next_n*heads <= 64 only")
+    mq._plans.clear()
+    lens = EDGE_LENS + [next_n - 1, 1000, 64 * 7, 3 * block_size]
+    run_and_check(
+        lens, device="cuda", next_n=next_n, heads=heads, block_size=block_size, seed=17 + next_n
+    )
+    assert _served_by_tma()
+
+
+def _one_cta_schedule(batch: int) -> torch.Tensor:
+    """CTA 0 owns every tile; the others none (a legal, if slow, caller schedule)."""
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sched = torch.zeros(num_sms + 1, 2, dtype=torch.int32)
+    sched[1:, 0] = batch
+    return sched.cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma_variant", ["auto", "tma_1x3", "tma_2x4p2"], indirect=True)
+@pytest.mark.parametrize("next_n,heads,block_size", [(1, 64, 64), (2, 64, 32), (1, 32, 128)])
+def test_gpu_tma_one_cta_walks_everything(tma_variant, next_n, heads, block_size):
+    gen = torch.Generator().manual_seed(5)
+    lens = torch.randint(0, 700, (40,), generator=gen).tolist() + [0, 0, 1, 64, 65]
+    q, kv, w, table, seq, max_len = make_inputs(
+        lens, next_n=next_n, heads=heads, block_size=block_size, device="cuda", seed=9
+    )
+    mq._plans.clear()
+    got = mq.fp8_paged_mqa_logits(
+        q, kv, w, table, seq, max_len, schedule_meta=_one_cta_schedule(len(lens))
+    )
+    assert_close(got, reference(q, kv, w, table, seq), 2e-3, name="one CTA")
+    assert _served_by_tma()
+
+
+@pytest.mark.gpu
+def test_gpu_tma_probe_streams_without_writing(monkeypatch):
+    """The benchmark's streaming probe runs to completion and writes nothing."""
+    if not _sm90():
+        pytest.skip("the TMA kernel runs on sm_90 only")
+    monkeypatch.setattr(mq, "_config_override", ("tma", 2, 0, 2, True))
+    q, kv, w, table, seq, max_len = make_inputs([900, 5, 0, 4000], device="cuda")
+    out = torch.full((4, mq.padded_seq_len(max_len)), float("nan"), device="cuda")
+    mq.fp8_paged_mqa_logits(q, kv, w, table, seq, max_len, out=out)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all()
