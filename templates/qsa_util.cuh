@@ -115,27 +115,34 @@ __device__ __forceinline__ float4 ld_peer4(unsigned addr) {
   return v;
 }
 
+// bf16(a * inv * sigmoid(gate)) of 8 dims, gv holding their 8 bf16 gate values.
+__device__ __forceinline__ uint4 gate_scaled(const uint4& gv, const float (&a)[8], float inv) {
+  unsigned packed[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const unsigned gw = word_of(gv, i);
+    const float g0 = fij::bf16_lo(gw), g1 = fij::bf16_hi(gw);
+    // sigmoid(x) = 1 / (1 + 2^(-x log2 e)); exp overflow to inf gives 0, as it should.
+    const float s0 = 1.f / (1.f + ex2(-1.4426950408889634f * g0));
+    const float s1 = 1.f / (1.f + ex2(-1.4426950408889634f * g1));
+    packed[i] = pack_bf16x2(a[2 * i] * inv * s0, a[2 * i + 1] * inv * s1);
+  }
+  return make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
 // out[0..8) = bf16(a * output_scale / denom * sigmoid(gate)); zeros when denom == 0 (no
 // attended token), whatever the gate holds.
 __device__ __forceinline__ void store_gated(fij::bf16_t* out, const fij::bf16_t* gate, const float (&a)[8],
                                             float denom, float output_scale) {
   uint4 res = make_uint4(0, 0, 0, 0);
-  if (denom > 0.f) {
-    const uint4 gv = *reinterpret_cast<const uint4*>(gate);
-    const float inv = output_scale / denom;
-    unsigned packed[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const unsigned gw = word_of(gv, i);
-      const float g0 = fij::bf16_lo(gw), g1 = fij::bf16_hi(gw);
-      // sigmoid(x) = 1 / (1 + 2^(-x log2 e)); exp overflow to inf gives 0, as it should.
-      const float s0 = 1.f / (1.f + ex2(-1.4426950408889634f * g0));
-      const float s1 = 1.f / (1.f + ex2(-1.4426950408889634f * g1));
-      packed[i] = pack_bf16x2(a[2 * i] * inv * s0, a[2 * i + 1] * inv * s1);
-    }
-    res = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  }
+  if (denom > 0.f) res = gate_scaled(*reinterpret_cast<const uint4*>(gate), a, output_scale / denom);
   *reinterpret_cast<uint4*>(out) = res;
+}
+
+// store_gated with the gate values already loaded (kFeatGate).
+__device__ __forceinline__ void store_gated_value(fij::bf16_t* out, const uint4& gv, const float (&a)[8], float denom,
+                                                  float output_scale) {
+  *reinterpret_cast<uint4*>(out) = denom > 0.f ? gate_scaled(gv, a, output_scale / denom) : make_uint4(0, 0, 0, 0);
 }
 
 // The A fragments of a group's q (rows g and g + 8; rows past GROUP are zero) for k-step
@@ -190,12 +197,14 @@ __device__ __forceinline__ void q_fragments(const fij::bf16_t* q, long long q_he
 // Cluster split-K merge: rank r of the CLUSTER CTAs combines every CLUSTER-th 8-dim piece
 // of the GROUP heads from all ranks' partials (cpart: [GROUP][HEAD_DIM] unnormalized
 // accumulators, cml: their (max, sum) pairs, at the same smem offset in every CTA) and
-// writes the gated output; out/gate point at the kv head's first query head.
-template <int CLUSTER, int GROUP, int HEAD_DIM, int THREADS>
+// writes the gated output; out/gate point at the kv head's first query head. GATE_PRE:
+// gpre already holds the gate of this thread's only item (kFeatGate, one item a thread).
+template <int CLUSTER, int GROUP, int HEAD_DIM, int THREADS, bool GATE_PRE = false>
 __device__ __forceinline__ void cluster_merge(const float* cpart, const float* cml, fij::bf16_t* out,
                                               long long out_head, const fij::bf16_t* gate, long long gate_head,
-                                              float output_scale) {
+                                              float output_scale, const uint4& gpre = uint4{}) {
   constexpr int PIECES = HEAD_DIM / 8;
+  static_assert(!GATE_PRE || GROUP * PIECES <= CLUSTER * THREADS, "one item a thread");
   const float neg_inf = __int_as_float(0xff800000);
   for (int item = cluster_rank() * THREADS + threadIdx.x; item < GROUP * PIECES; item += CLUSTER * THREADS) {
     const int h = item / PIECES, c = item - h * PIECES;
@@ -217,7 +226,83 @@ __device__ __forceinline__ void cluster_merge(const float* cpart, const float* c
       a[0] += u.x * w; a[1] += u.y * w; a[2] += u.z * w; a[3] += u.w * w;
       a[4] += v.x * w; a[5] += v.y * w; a[6] += v.z * w; a[7] += v.w * w;
     }
-    store_gated(out + h * out_head + 8 * c, gate + h * gate_head + 8 * c, a, denom, output_scale);
+    if constexpr (GATE_PRE) store_gated_value(out + h * out_head + 8 * c, gpre, a, denom, output_scale);
+    else store_gated(out + h * out_head + 8 * c, gate + h * gate_head + 8 * c, a, denom, output_scale);
+  }
+}
+
+// The CTA's epilogue, after its warps' loops (and a __syncthreads): the warps' (max, sum,
+// acc) of heads g, g + 8 go to shared memory at `red` ([NUM_WARPS][16][HEAD_DIM + pad],
+// then the (max, sum) pairs) and are merged per 8-dim piece; the single pass then writes
+// the gated output, a cluster stores its partial for cluster_merge. acc[i] holds dims
+// vdim(2t, i), vdim(2t + 1, i) (see the decode's PV comment); out/gate point at the kv
+// head's first query head of the row.
+template <int GROUP, int HEAD_DIM, int NUM_WARPS, int CLUSTER, bool GATE_PRE>
+__device__ __forceinline__ void merge_and_store(float* red, const float (&acc)[HEAD_DIM / 8][4], float m0, float m1,
+                                                float l0, float l1, fij::bf16_t* out, long long out_head,
+                                                const fij::bf16_t* gate, long long gate_head, float output_scale,
+                                                const uint4& gate_pre) {
+  constexpr int RR = HEAD_DIM + kRedPad, NT = HEAD_DIM / 8, PIECES = HEAD_DIM / 8, THREADS = NUM_WARPS * 32;
+  constexpr int SPAN = HEAD_DIM >= 128 ? 16 : 8;
+  auto vdim = [](int c, int i) { return (i / SPAN) * 128 + SPAN * c + i % SPAN; };
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const float neg_inf = __int_as_float(0xff800000);
+  float* const red_ml = red + NUM_WARPS * 16 * RR;
+  {
+    float* const mine = red + warp * 16 * RR;
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      const int d0 = vdim(2 * t, i), d1 = vdim(2 * t + 1, i);
+      mine[g * RR + d0] = acc[i][0];
+      mine[g * RR + d1] = acc[i][1];
+      mine[(g + 8) * RR + d0] = acc[i][2];
+      mine[(g + 8) * RR + d1] = acc[i][3];
+    }
+    if (t == 0) {
+      red_ml[(warp * 16 + g) * 2] = m0;
+      red_ml[(warp * 16 + g) * 2 + 1] = l0;
+      red_ml[(warp * 16 + g + 8) * 2] = m1;
+      red_ml[(warp * 16 + g + 8) * 2 + 1] = l1;
+    }
+  }
+  __syncthreads();
+  // A cluster's partials: [GROUP][HEAD_DIM] then (max, sum) pairs, past the reduction.
+  float* const cpart = red + NUM_WARPS * 16 * RR + NUM_WARPS * 16 * 2;
+  float* const cml = cpart + GROUP * HEAD_DIM;
+  for (int item = threadIdx.x; item < GROUP * PIECES; item += THREADS) {
+    const int h = item / PIECES, c = item - h * PIECES;
+    float mmax = neg_inf;
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) mmax = fmaxf(mmax, red_ml[(w * 16 + h) * 2]);
+    const float base = mmax == neg_inf ? 0.f : mmax;
+    float denom = 0.f, a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) {
+      const float sc = ex2(red_ml[(w * 16 + h) * 2] - base);
+      denom += red_ml[(w * 16 + h) * 2 + 1] * sc;
+      const float4* src = reinterpret_cast<const float4*>(red + (w * 16 + h) * RR + 8 * c);
+      const float4 u = src[0], v = src[1];
+      a[0] += u.x * sc; a[1] += u.y * sc; a[2] += u.z * sc; a[3] += u.w * sc;
+      a[4] += v.x * sc; a[5] += v.y * sc; a[6] += v.z * sc; a[7] += v.w * sc;
+    }
+    if constexpr (CLUSTER > 0) {
+      float* const dst = cpart + h * HEAD_DIM + 8 * c;
+      reinterpret_cast<float4*>(dst)[0] = make_float4(a[0], a[1], a[2], a[3]);
+      reinterpret_cast<float4*>(dst)[1] = make_float4(a[4], a[5], a[6], a[7]);
+      if (c == 0) {
+        cml[h * 2] = mmax;
+        cml[h * 2 + 1] = denom;
+      }
+    } else {
+      store_gated(out + h * out_head + 8 * c, gate + h * gate_head + 8 * c, a, denom, output_scale);
+    }
+  }
+  if constexpr (CLUSTER > 0) {
+    // ---- cluster split-K: every split's partial is in its CTA's shared memory.
+    cluster_sync();
+    cluster_merge<CLUSTER, GROUP, HEAD_DIM, THREADS, GATE_PRE>(cpart, cml, out, out_head, gate, gate_head,
+                                                               output_scale, gate_pre);
+    cluster_sync();  // no CTA leaves while a peer may still read its shared memory
   }
 }
 
@@ -229,18 +314,25 @@ constexpr bool q_in_smem(int head_dim, int num_warps, int min_ctas) {
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
+// Bytes of one warp stage: 16 tokens of K and V, as cp.async gathers them or (kFeatTma) as
+// bulk copies place them (qsa_bulk.cuh, bulk_row).
+constexpr int stage_bytes(int head_dim, bool bulk) { return bulk ? 4224 : (head_dim / 16) * 32 * 16; }
+
 // Shared memory bytes of a decode specialization (the host computes the same:
-// flashinfer_jit/qsa.py, _decode_smem_bytes). After Q's fragments (when in smem): the warp
-// stages, followed by the fused slot list (SLOT_CAP > 0) while the loop runs; afterwards the
-// same space holds the cross-warp reduction and (a cluster) this CTA's partial, placed past
-// the reduction so peers can read it.
-template <int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP>
+// flashinfer_jit/qsa.py, _decode_smem_bytes, and qsa_variants.decode_smem_bytes). After Q's
+// fragments (when in smem): the warp stages, followed by the fused slot list (SLOT_CAP > 0)
+// while the loop runs; afterwards the same space holds the cross-warp reduction and (a
+// cluster) this CTA's partial, placed past the reduction so peers can read it. Bulk copies
+// (kFeatTma) add one mbarrier per warp stage at the end.
+template <int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP, bool BULK = false>
 struct DecodeSmem {
   static constexpr int kQBytes = q_in_smem(HEAD_DIM, NUM_WARPS, MIN_CTAS) ? (HEAD_DIM / 64) * 4 * 32 * 16 : 0;
-  static constexpr int kStageBytes = NUM_WARPS * NUM_STAGES * (HEAD_DIM / 16) * 32 * 16;
+  static constexpr int kStageBytes = NUM_WARPS * NUM_STAGES * stage_bytes(HEAD_DIM, BULK);
   static constexpr int kRedBytes = NUM_WARPS * 16 * (HEAD_DIM + kRedPad) * 4 + NUM_WARPS * 16 * 2 * 4;
   static constexpr int kPartBytes = CLUSTER > 0 ? 16 * (HEAD_DIM + 2) * 4 : 0;
-  static constexpr int kBytes = kQBytes + cmax(kStageBytes + SLOT_CAP * 4, kRedBytes + kPartBytes);
+  static constexpr int kMainBytes = cmax(kStageBytes + SLOT_CAP * 4, kRedBytes + kPartBytes);
+  static constexpr int kBarBytes = BULK ? NUM_WARPS * NUM_STAGES * 8 : 0;
+  static constexpr int kBytes = kQBytes + kMainBytes + kBarBytes;
 };
 
 }  // namespace fij_qsa

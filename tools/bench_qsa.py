@@ -3,6 +3,7 @@
     python tools/bench_qsa.py [--no-sweep]            # about 1.5 minutes on the H200
     python tools/bench_qsa.py --lean                  # issue-shape k table, opt-in vs default, issue table
     python tools/bench_qsa.py --ncu-one [--splits K]  # ONE decode launch, rows=512 (for ncu)
+    python tools/bench_qsa.py --sweep-variants        # opt-in variants x issue shapes (~1-2 min)
 
 Inputs follow the issue: D=128, page 64, valid_count uniform in [topk/2, topk] and -1 past
 it, logical indices drawn without replacement from a 16K-token context per request, pages
@@ -394,10 +395,22 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=6.0, help="cache pool size")
     parser.add_argument("--ncu-one", action="store_true", help="one decode launch, then exit")
     parser.add_argument("--splits", type=int, default=1, help="split count for --ncu-one")
+    parser.add_argument(
+        "--sweep-variants",
+        action="store_true",
+        help="check and time every opt-in variant (flashinfer_jit/qsa_variants.py) on the "
+        "issue's 4 target shapes; one table last, exit status 1 if any check failed",
+    )
     opts = parser.parse_args()
     if opts.ncu_one:
         ncu_one(opts.gib, opts.splits)
         return
+    if opts.sweep_variants:
+        sys.modules.setdefault("bench_qsa", sys.modules[__name__])  # the sweep's helpers
+        from bench_qsa_sweep import sweep_variants
+
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+        sys.exit(1 if sweep_variants(opts.gib) else 0)
     print(
         f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
         f"copy {copy_bandwidth():.2f} TB/s (read + write)"

@@ -1,0 +1,396 @@
+// The QSA decode's body (decode_body), shared by every decode kernel of qsa_decode.cuh;
+// the design is described there.
+#pragma once
+#include "qsa_bulk.cuh"
+#include "qsa_slots.cuh"
+#include "qsa_util.cuh"
+
+namespace fij_qsa {
+
+// The decode's arguments. The last group is for fused slot resolution only (SLOT_CAP > 0):
+// the raw selection, page table and row -> request map the slot pass would read.
+#define FIJ_QSA_DECODE_PARAMS                                                                                \
+  const fij::bf16_t *__restrict__ q, long long q_row, long long q_head, const unsigned char *__restrict__ k_cache, \
+      unsigned k_block, unsigned k_token, unsigned k_head, const unsigned char *__restrict__ v_cache,           \
+      unsigned v_block, unsigned v_token, unsigned v_head, const int *__restrict__ slots, int slot_columns,    \
+      const int *__restrict__ counts, long long count_row_stride, int topk, int offset_bits, int num_kv_heads, \
+      fij::bf16_t *__restrict__ out, long long out_row, long long out_head, const fij::bf16_t *__restrict__ gate, \
+      long long gate_row, long long gate_head, float score_scale_log2, float output_scale,                     \
+      const int *__restrict__ indices, long long idx_col_stride, const int *__restrict__ block_table,         \
+      long long bt_row_stride, long long bt_col_stride, int table_width, int num_requests,                    \
+      const int *__restrict__ token_to_req, long long t2r_stride, int num_blocks, int page_size
+#define FIJ_QSA_DECODE_ARGS                                                                                   \
+  q, q_row, q_head, k_cache, k_block, k_token, k_head, v_cache, v_block, v_token, v_head, slots, slot_columns, \
+      counts, count_row_stride, topk, offset_bits, num_kv_heads, out, out_row, out_head, gate, gate_row,       \
+      gate_head, score_scale_log2, output_scale, indices, idx_col_stride, block_table, bt_row_stride,         \
+      bt_col_stride, table_width, num_requests, token_to_req, t2r_stride, num_blocks, page_size
+
+// MIN_CTAS: the CTAs per SM the register allocation must allow (launch bound; 1 = none).
+// CLUSTER: 0, or the split count when the splits of a (row, kv head) form one thread
+//   block cluster and merge through distributed shared memory.
+// SLOT_CAP: 0 (slots come from the slot pass), or the most entries one CTA resolves itself
+//   from the raw selection into shared memory (the slot pass is skipped).
+// SLOT_AHEAD: how many loop iterations before its copies are issued a chunk's slot load
+//   goes out (1: the shipped design; 2..4 keep more independent slot loads in flight so
+//   an L2 round trip under load never holds up the next chunk's copies).
+// FEAT: 0 (shipped), or the opt-in kFeat* bits of qsa_bulk.cuh (the _x kernels); `order`
+//   is read with kFeatOrder only.
+template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP,
+          int SLOT_AHEAD = 1, int FEAT = 0>
+__device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS, const int* __restrict__ order) {
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head dim");
+  static_assert(GROUP >= 1 && GROUP <= 16, "group size");
+  static_assert(NUM_STAGES >= 2 && NUM_STAGES <= 8, "stages (validity ring holds 8)");
+  static_assert(SLOT_AHEAD >= 1 && SLOT_AHEAD <= 4, "slot lookahead");
+  constexpr bool ORDER = FEAT & kFeatOrder, SPEC = FEAT & kFeatSpec, GATE = FEAT & kFeatGate;
+  constexpr bool BULK = FEAT & kFeatTma, KV256 = FEAT & kFeatKv256, ILV = FEAT & kFeatIlv;
+  constexpr bool QK2 = FEAT & kFeatQk2, LIN = FEAT & kFeatLin;
+  static_assert(!BULK || HEAD_DIM == 128, "bulk stages are laid out for D = 128");
+  static_assert(!KV256 || BULK, "256-byte copies are bulk copies");
+  static_assert(!ORDER || CLUSTER == 0, "row order: single pass only");
+  static_assert(!ILV || CLUSTER > 0, "interleaved chunks: split-K only");
+  static_assert(!SPEC || (SLOT_CAP == 0 && (CLUSTER == 0 || ILV)),
+                "speculative slot loads need the slot pass and chunks placed independently of the count");
+  constexpr int NG = HEAD_DIM / 64;       // 64-dim groups of a K row: one 16-B piece per quad lane
+  constexpr int KU = 2 * NG;              // K uint4s per thread per stage (2 tokens)
+  constexpr int VW = HEAD_DIM / 32;       // V words per token per thread
+  constexpr int VG = HEAD_DIM / 128;      // V 16-B pieces per token per thread (D >= 128)
+  // V span: a lane gathers bytes [SPAN g, +SPAN) + 128 p of a V row (p < VG), so 8 lanes
+  // read whole 128-byte lines; n8 tile i, column c then holds dim (i / SPAN) 128 + SPAN c +
+  // i % SPAN (vdim in merge_and_store).
+  constexpr int SPAN = HEAD_DIM >= 128 ? 16 : 8;
+  constexpr int NT = HEAD_DIM / 8;        // n8 tiles of the output
+  constexpr int STAGE_U4 = HEAD_DIM / 16; // uint4s per thread per stage (cp.async stages)
+  constexpr int KP = HEAD_DIM / 16;       // 16-byte pieces of a K row
+  // K smem swizzle: D >= 128 rows are whole bank sweeps, so odd rows flip piece bit 2.
+  auto kswz = [](int r) { return HEAD_DIM >= 128 ? (r & 1) << 2 : 0; };
+  constexpr bool Q_SMEM = q_in_smem(HEAD_DIM, NUM_WARPS, MIN_CTAS);
+  constexpr int Q_U4 = Q_SMEM ? NG * 4 * 32 : 0;  // the head's Q fragments
+  constexpr int THREADS = NUM_WARPS * 32, PIECES = HEAD_DIM / 8;
+  constexpr int SB = stage_bytes(HEAD_DIM, BULK);
+  using Smem = DecodeSmem<HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, CLUSTER, SLOT_CAP, BULK>;
+  static_assert(Smem::kQBytes == Q_U4 * 16, "smem layout");
+
+  extern __shared__ uint4 smem[];
+  unsigned char* const smem_bytes = reinterpret_cast<unsigned char*>(smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int pair_row = blockIdx.x / num_kv_heads;
+  const int kvh = blockIdx.x - pair_row * num_kv_heads;
+  int row = pair_row;
+  if constexpr (ORDER) row = __ldg(order + pair_row);
+  const int split = blockIdx.y, num_splits = CLUSTER > 0 ? CLUSTER : 1;
+  uint4* const qsm = smem;  // Q fragments (Q_SMEM)
+  const long long head0 = (long long)kvh * GROUP;  // first query head of the kv head
+
+  // kFeatGate: this thread's gate pieces of the epilogue, fetched now (a cluster whose merge
+  // gives every thread at most one item keeps it in registers; otherwise into L2).
+  constexpr bool GATE_REG = GATE && CLUSTER > 0 && GROUP * PIECES <= CLUSTER * THREADS;
+  uint4 gate_pre = make_uint4(0, 0, 0, 0);
+  if constexpr (GATE) {
+    const fij::bf16_t* const grow = gate + row * gate_row + head0 * gate_head;
+    const int item0 = CLUSTER > 0 ? (int)cluster_rank() * THREADS + threadIdx.x : threadIdx.x;
+    if constexpr (GATE_REG) {
+      if (item0 < GROUP * PIECES)
+        gate_pre = __ldg(reinterpret_cast<const uint4*>(grow + (item0 / PIECES) * gate_head + 8 * (item0 % PIECES)));
+    } else {
+      for (int item = item0; item < GROUP * PIECES; item += CLUSTER > 0 ? CLUSTER * THREADS : THREADS)
+        if (item % 8 == 0) prefetch_l2(grow + (item / PIECES) * gate_head + 8 * (item % PIECES));
+    }
+  }
+
+  const int count = min(max(__ldg(counts + (long long)row * count_row_stride), 0), topk);
+  const int chunks = (count + kChunk - 1) / kChunk;
+  // This split's chunks, local index m -> chunk_of(m): a contiguous range, or (kFeatIlv)
+  // every CLUSTER-th chunk from `split`, which needs no count to place.
+  const int per_split = (chunks + num_splits - 1) / num_splits;
+  // (kFeatSpec, single pass: its only split starts at 0, which the compiler cannot know)
+  const int c_begin = ILV || (SPEC && CLUSTER == 0) ? 0 : split * per_split;
+  const int n_local = ILV ? (chunks > split ? (chunks - split + num_splits - 1) / num_splits : 0)
+                          : max(min(chunks, c_begin + per_split) - c_begin, 0);
+  auto chunk_of = [&](int m) { return ILV ? split + num_splits * m : c_begin + m; };
+
+  // ---- fused slot resolution: this CTA's entries, once, into shared memory ---------------
+  int* const slot_list = reinterpret_cast<int*>(smem_bytes + Smem::kQBytes + Smem::kStageBytes);
+  if constexpr (SLOT_CAP > 0) {
+    resolve_slot_list<THREADS, SLOT_CAP, ILV>(slot_list, chunk_of, n_local, count, topk,
+                                              indices + (long long)row * count_row_stride, idx_col_stride,
+                                              block_table, bt_row_stride, bt_col_stride, table_width, num_requests,
+                                              __ldg(token_to_req + (long long)row * t2r_stride), num_blocks,
+                                              page_size, offset_bits);
+    __syncthreads();
+  }
+
+  // ---- per-warp pipeline (its first copies go out before Q is loaded: they overlap) ----
+  uint4* const wbase = smem + Q_U4 + warp * NUM_STAGES * STAGE_U4 * 32;
+  const unsigned wstage = smem_u32(smem_bytes + Smem::kQBytes + warp * NUM_STAGES * SB);
+  const unsigned bars = smem_u32(smem_bytes + Smem::kQBytes + Smem::kMainBytes) + warp * NUM_STAGES * 8;
+  if constexpr (BULK) {
+    // Bulk copies skip masked tokens, whose rows keep stale bytes: zero the stages once so
+    // those bytes are finite (P V multiplies them by p = 0).
+    for (int i = threadIdx.x; i < Smem::kStageBytes / 16; i += THREADS) smem[Smem::kQBytes / 16 + i] = uint4{};
+    if (lane == 0)
+      for (int s = 0; s < NUM_STAGES; ++s) mbar_init(bars + 8 * s);
+    fence_async_smem();
+    __syncthreads();
+  }
+  const int my_n = n_local > warp ? (n_local - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
+  const int* const srow = slots + (long long)row * slot_columns;
+  const unsigned char* const kbase = k_cache + (unsigned long long)kvh * k_head;
+  const unsigned char* const vrow0 = v_cache + (unsigned long long)kvh * v_head;
+  const unsigned char* const vbase = vrow0 + SPAN * g;
+  const unsigned offset_mask = (1u << offset_bits) - 1u;
+  // kFeatLin: the host guarantees k_block = rows * k_token and v_block = rows * v_token.
+  const unsigned lin_rows = LIN ? k_block / k_token : 0u;
+
+  // A chunk's 16 slots: one load a warp (lane L holds entry L % 16); issue() hands them
+  // out with shuffles (one L2 request a chunk instead of one per fragment row).
+  auto load_slots = [&](int k) -> int {
+    const int m = warp + k * NUM_WARPS;
+    if constexpr (SLOT_CAP > 0) {
+      return slot_list[m * kChunk + (lane & 15)];
+    } else {
+      return __ldg(srow + chunk_of(m) * kChunk + (lane & 15));
+    }
+  };
+  // Whether the prologue loads chunk k's slots: k < my_n, or (kFeatSpec) whenever they
+  // exist in the slot pass's output (entries past the count are -1 there).
+  auto pre_ok = [&](int k) {
+    return SPEC ? chunk_of(warp + k * NUM_WARPS) < slot_columns / kChunk : k < my_n;
+  };
+  // A token's address: the host guarantees 32-bit strides, so two 32x32->64-bit
+  // multiply-adds (kFeatLin: one); a masked slot (-1) reads as slot 0, a valid address the
+  // zero-byte copy never touches (no branch per token).
+  auto token_ptr = [&](const unsigned char* base, int slot, unsigned blk, unsigned tok) {
+    const unsigned s = (unsigned)max(slot, 0);
+    if constexpr (LIN) return base + (unsigned long long)s * tok;
+    const unsigned long long off =
+        (unsigned long long)(s >> offset_bits) * blk + (unsigned long long)(s & offset_mask) * tok;
+    return base + off;
+  };
+  // Issue chunk k's copies into its stage; returns its 4 V-token validity bits.
+  // K: instruction i copies 16-byte piece (32i + lane) % KP of token row (32i + lane) / KP,
+  // so a warp instruction reads whole 128-byte lines (D >= 128; reading 64 of a row's 128
+  // bytes per instruction, as before, doubled the L2 requests). Rows land in shared memory at
+  // piece ^ kswz(row): the fragment reads of rows 2m and 2m+1 then hit disjoint banks.
+  // (The half-line reads were the likely reason for ncu's 87% L2 busy at 51% DRAM.)
+  // kFeatTma: lanes 0-15 copy K rows, 16-31 V rows (kFeatKv256: lanes 0-15 both at once)
+  // with cp.async.bulk; the stage's mbarrier expects the valid tokens' bytes.
+  auto issue = [&](int k, int sl) -> unsigned {
+    // kFeatLin: slot -> linear token row (page * rows + offset), once a lane.
+    if constexpr (LIN) sl = sl < 0 ? -1 : (int)(((unsigned)sl >> offset_bits) * lin_rows + ((unsigned)sl & offset_mask));
+    if constexpr (BULK) {
+      const int s = k % NUM_STAGES;
+      const unsigned st = wstage + s * SB, bar = bars + 8 * s;
+      const bool ok = sl >= 0;
+      const unsigned vm = __ballot_sync(kFull, ok) & 0xffffu;  // also: every lane is done with the stage
+      if (lane == 0) mbar_arrive_expect(bar, __popc(vm) * 2 * HEAD_DIM);
+      const int e = lane & 15;
+      if constexpr (KV256) {
+        if (lane < 16 && ok) bulk_copy(st + bulk_row(e), token_ptr(kbase, sl, k_block, k_token), 2 * HEAD_DIM, bar);
+      } else if (ok) {
+        const bool is_v = lane >= 16;
+        const unsigned char* src = is_v ? token_ptr(vrow0, sl, v_block, v_token) : token_ptr(kbase, sl, k_block, k_token);
+        bulk_copy(st + bulk_row(e) + (is_v ? HEAD_DIM : 0), src, HEAD_DIM, bar);
+      }
+      return ((vm >> (2 * t)) & 3u) | (((vm >> (2 * t + 8)) & 3u) << 2);
+    } else {
+      const unsigned st = smem_u32(wbase + (k % NUM_STAGES) * STAGE_U4 * 32);
+#pragma unroll
+      for (int i = 0; i < KU; ++i) {
+        const int flat = 32 * i + lane, r = flat / KP, piece = flat % KP;
+        const int slot = __shfl_sync(kFull, sl, r);
+        const unsigned char* src = token_ptr(kbase, slot, k_block, k_token) + 16 * piece;
+        cp_async16(st + (r * KP + (piece ^ kswz(r))) * 16, src, slot >= 0);
+      }
+      const unsigned vst = st + KU * 32 * 16;
+      unsigned bits = 0;
+#pragma unroll
+      for (int tau = 0; tau < 4; ++tau) {
+        const int slot = __shfl_sync(kFull, sl, 2 * t + (tau & 1) + 8 * (tau >> 1));
+        const bool ok = slot >= 0;
+        bits |= ok ? 1u << tau : 0u;
+        const unsigned char* src = token_ptr(vbase, slot, v_block, v_token);
+        if constexpr (HEAD_DIM == 64) {
+          cp_async8(vst + (tau * 32 + lane) * 8, src, ok);
+        } else {
+#pragma unroll
+          for (int p = 0; p < VG; ++p) cp_async16(vst + ((tau * VG + p) * 32 + lane) * 16, src + 128 * p, ok);
+        }
+      }
+      return bits;
+    }
+  };
+
+  float acc[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  const float neg_inf = __int_as_float(0xff800000);
+  float m0 = neg_inf, m1 = neg_inf, l0 = 0.f, l1 = 0.f;
+
+  // Prologue: slot loads of the first NUM_STAGES - 1 chunks in parallel, then their copies.
+  unsigned ring = 0;
+  {
+    int pre[NUM_STAGES - 1];
+#pragma unroll
+    for (int k = 0; k < NUM_STAGES - 1; ++k)
+      if (pre_ok(k)) pre[k] = load_slots(k);
+#pragma unroll
+    for (int k = 0; k < NUM_STAGES - 1; ++k) {
+      if (pre_ok(k)) ring |= issue(k, pre[k]) << (4 * k);
+      if constexpr (!BULK) cp_async_commit();
+    }
+  }
+  // ahead[a]: the slots of chunk k + NUM_STAGES - 1 + a at the top of iteration k.
+  int ahead[SLOT_AHEAD];
+#pragma unroll
+  for (int a = 0; a < SLOT_AHEAD; ++a) ahead[a] = pre_ok(NUM_STAGES - 1 + a) ? load_slots(NUM_STAGES - 1 + a) : -1;
+
+  // ---- Q fragments (rows g, g+8 of the group; padding rows are zero) -------------------
+  // QK runs in fp16 so K needs one cvt per two e4m3 bytes (see q_fragments for exactness).
+  uint4 qreg[NG][4];
+  float row_scale0, row_scale1;  // score_scale_log2 / (q scale) of rows g and g + 8
+  q_fragments<GROUP, NG>(q + (long long)row * q_row + head0 * q_head, q_head, g, t, score_scale_log2, qreg,
+                         row_scale0, row_scale1);
+  if constexpr (Q_SMEM) {
+    if (warp == 0) {
+#pragma unroll
+      for (int G = 0; G < NG; ++G)
+#pragma unroll
+        for (int u = 0; u < 4; ++u) qsm[(G * 4 + u) * 32 + lane] = qreg[G][u];
+    }
+    __syncthreads();
+  }
+  // Bulk stages (D = 128): this thread's K rows g, 8 + g (piece t) and V rows 2t + c (+8).
+  const int krow = BULK ? bulk_row(g) + 16 * t : 0;
+  const int vrow[2] = {BULK ? bulk_row(2 * t) + HEAD_DIM + 16 * g : 0,
+                       BULK ? bulk_row(2 * t + 1) + HEAD_DIM + 16 * g : 0};
+
+  for (int k = 0; k < my_n; ++k) {
+    if (k + NUM_STAGES - 1 < my_n) ring |= issue(k + NUM_STAGES - 1, ahead[0]) << (4 * (NUM_STAGES - 1));
+    if constexpr (!BULK) cp_async_commit();
+#pragma unroll
+    for (int a = 0; a + 1 < SLOT_AHEAD; ++a) ahead[a] = ahead[a + 1];
+    if (k + NUM_STAGES - 1 + SLOT_AHEAD < my_n) ahead[SLOT_AHEAD - 1] = load_slots(k + NUM_STAGES - 1 + SLOT_AHEAD);
+    if constexpr (BULK) mbar_wait(bars + 8 * (k % NUM_STAGES), (k / NUM_STAGES) & 1);
+    else cp_async_wait<NUM_STAGES - 1>();
+    const unsigned bits = ring & 0xfu;
+    ring >>= 4;
+    const uint4* st = wbase + (k % NUM_STAGES) * STAGE_U4 * 32;
+    const unsigned char* const bst = smem_bytes + Smem::kQBytes + (warp * NUM_STAGES + k % NUM_STAGES) * SB;
+
+    // S = Q K^T over this chunk's 16 tokens (two n8 tiles); kFeatQk2: odd k-steps into a
+    // second accumulator, halving the dependent MMA chain.
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float s2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int G = 0; G < NG; ++G) {
+        const int r = 8 * j + g;  // token row; piece 4G + t (see issue)
+        uint4 kk;
+        if constexpr (BULK) kk = *reinterpret_cast<const uint4*>(bst + krow + 512 * j + 64 * G);
+        else kk = st[r * KP + ((4 * G + t) ^ kswz(r))];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          unsigned lo, hi;
+          e4m3x4_to_f16x2x2(word_of(kk, u), lo, hi);
+          uint4 a;
+          if constexpr (Q_SMEM) a = qsm[(G * 4 + u) * 32 + lane];
+          else a = qreg[G][u];
+          mma_f16(QK2 && (u & 1) ? s2[j] : s[j], a, lo, hi);
+        }
+      }
+    }
+    if constexpr (QK2) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[j][i] += s2[j][i];
+    }
+
+    // Online softmax in base 2; masked tokens are -inf and never produce NaN.
+    float x[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const bool ok0 = (bits >> (2 * j)) & 1u, ok1 = (bits >> (2 * j + 1)) & 1u;
+      x[j][0] = ok0 ? s[j][0] * row_scale0 : neg_inf;
+      x[j][1] = ok1 ? s[j][1] * row_scale0 : neg_inf;
+      x[j][2] = ok0 ? s[j][2] * row_scale1 : neg_inf;
+      x[j][3] = ok1 ? s[j][3] * row_scale1 : neg_inf;
+    }
+    float mx0 = fmaxf(fmaxf(x[0][0], x[0][1]), fmaxf(x[1][0], x[1][1]));
+    float mx1 = fmaxf(fmaxf(x[0][2], x[0][3]), fmaxf(x[1][2], x[1][3]));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(kFull, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(kFull, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(kFull, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(kFull, mx1, 2));
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float b0 = n0 == neg_inf ? 0.f : n0, b1 = n1 == neg_inf ? 0.f : n1;
+    const float alpha0 = ex2(m0 - b0), alpha1 = ex2(m1 - b1);
+    m0 = n0;
+    m1 = n1;
+    float p[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      p[j][0] = ex2(x[j][0] - b0);
+      p[j][1] = ex2(x[j][1] - b0);
+      p[j][2] = ex2(x[j][2] - b1);
+      p[j][3] = ex2(x[j][3] - b1);
+    }
+    l0 = l0 * alpha0 + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
+    l1 = l1 * alpha1 + (p[0][2] + p[0][3]) + (p[1][2] + p[1][3]);
+    // Once the running max settles alpha is exactly 1: skip the rescale warp-wide.
+    if (__any_sync(kFull, alpha0 != 1.f || alpha1 != 1.f)) {
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        acc[i][0] *= alpha0;
+        acc[i][1] *= alpha0;
+        acc[i][2] *= alpha1;
+        acc[i][3] *= alpha1;
+      }
+    }
+    const uint4 pa = make_uint4(pack_f16x2(p[0][0], p[0][1]), pack_f16x2(p[0][2], p[0][3]),
+                                pack_f16x2(p[1][0], p[1][1]), pack_f16x2(p[1][2], p[1][3]));
+
+    // O += P V: transpose 4 tokens x 4 dims of e4m3 per word into f16x2 B fragments.
+    const uint4* vs = st + KU * 32;
+#pragma unroll
+    for (int w = 0; w < VW; ++w) {
+      unsigned tw[4];
+#pragma unroll
+      for (int tau = 0; tau < 4; ++tau) {
+        if constexpr (BULK) {
+          tw[tau] = word_of(*reinterpret_cast<const uint4*>(bst + vrow[tau & 1] + 512 * (tau >> 1)), w);
+        } else if constexpr (HEAD_DIM == 64) {
+          const uint2 v = reinterpret_cast<const uint2*>(vs)[tau * 32 + lane];
+          tw[tau] = w == 0 ? v.x : v.y;
+        } else {
+          tw[tau] = word_of(vs[(tau * VG + w / 4) * 32 + lane], w % 4);
+        }
+      }
+      const unsigned x0 = prmt(tw[0], tw[1], 0x5140), x1 = prmt(tw[0], tw[1], 0x7362);
+      const unsigned y0 = prmt(tw[2], tw[3], 0x5140), y1 = prmt(tw[2], tw[3], 0x7362);
+      unsigned b[4][2];
+      e4m3x4_to_f16x2x2(x0, b[0][0], b[1][0]);
+      e4m3x4_to_f16x2x2(x1, b[2][0], b[3][0]);
+      e4m3x4_to_f16x2x2(y0, b[0][1], b[1][1]);
+      e4m3x4_to_f16x2x2(y1, b[2][1], b[3][1]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) mma_f16(acc[4 * w + i], pa, b[i][0], b[i][1]);
+    }
+  }
+
+  // ---- merge the warps -----------------------------------------------------------------
+  l0 += __shfl_xor_sync(kFull, l0, 1);
+  l0 += __shfl_xor_sync(kFull, l0, 2);
+  l1 += __shfl_xor_sync(kFull, l1, 1);
+  l1 += __shfl_xor_sync(kFull, l1, 2);
+  if constexpr (!BULK) cp_async_wait<0>();  // (bulk: every issued copy was waited for)
+  __syncthreads();  // every warp is done with its stages: reuse them
+  merge_and_store<GROUP, HEAD_DIM, NUM_WARPS, CLUSTER, GATE_REG>(
+      reinterpret_cast<float*>(smem + Q_U4), acc, m0, m1, l0, l1, out + row * out_row + head0 * out_head, out_head,
+      gate + row * gate_row + head0 * gate_head, gate_head, output_scale, gate_pre);
+}
+
+}  // namespace fij_qsa

@@ -1,0 +1,56 @@
+// Opt-in pieces of the QSA decode variants (qsa_decode_x / qsa_decode_cluster_x in
+// qsa_decode.cuh, chosen by flashinfer_jit/qsa_variants.py): the feature bits, bulk copies
+// completing on an mbarrier, and the bank-conflict-free placement of bulk-copied rows.
+#pragma once
+
+namespace fij_qsa {
+
+// Feature bits (the FEAT template parameter; 0 is the shipped kernel).
+constexpr int kFeatOrder = 1;   // single pass: CTA i takes row order[i / Hkv] (the slot pass sorts rows, longest first)
+constexpr int kFeatSpec = 2;    // the prologue's slot loads and copies do not wait for the valid count
+constexpr int kFeatGate = 4;    // the gate is fetched at kernel start (registers in clusters, else into L2)
+constexpr int kFeatTma = 8;     // K/V rows by cp.async.bulk, one mbarrier per warp stage (D = 128)
+constexpr int kFeatKv256 = 16;  // with kFeatTma: one 256-byte copy a token (V directly follows K)
+constexpr int kFeatIlv = 32;    // split-K: chunk c belongs to split c % CLUSTER (slot loads need no count)
+constexpr int kFeatQk2 = 64;    // S = Q K^T in two independent accumulator chains per n8 tile
+constexpr int kFeatLin = 128;   // a token's address is (its linear row) * token stride: one multiply-add
+
+__device__ __forceinline__ void mbar_init(unsigned bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+// Makes barrier initializations and earlier generic shared-memory writes visible to the
+// async proxy (the bulk copies) before any copy is issued.
+__device__ __forceinline__ void fence_async_smem() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::: "memory");
+}
+// The barrier's one arrival of a phase, announcing `bytes` of copies that complete it.
+__device__ __forceinline__ void mbar_arrive_expect(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tQSA_MBAR_WAIT:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
+      "@!p bra QSA_MBAR_WAIT;\n\t}" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// bytes (a multiple of 16, both addresses 16-byte aligned) global -> this CTA's smem.
+__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// Byte offset of token row r (0..15; [K 128 B | V 128 B]) in a 4224-byte bulk stage (D =
+// 128). Bulk copies cannot swizzle inside a row, so rows are placed by their offset mod 128
+// instead: rows 2m, 2m + 1 (one 8-lane phase of the K fragment reads) sit 64 bytes apart,
+// and rows 2t + c, t = 0..3 (a phase of the V reads) at four distinct 32-byte offsets.
+// Rows of one residue class are packed 256 bytes apart, classes 1056 bytes apart.
+__device__ __forceinline__ int bulk_row(int r) {
+  const int b = r & 1, cls = (((r >> 1) & 3) + 2 * b) & 3;
+  return cls * 1056 + (2 * (r >> 3) + b) * 256;
+}
+
+}  // namespace fij_qsa
