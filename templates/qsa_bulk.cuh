@@ -27,13 +27,21 @@ __device__ __forceinline__ void fence_async_smem() {
 __device__ __forceinline__ void mbar_arrive_expect(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
+// Waits for the phase of parity `parity` to complete. try_wait suspends for a bounded
+// time per call, so 2^26 failed tries are seconds: a phase that never completes (a wrong
+// byte count) traps, which ends the launch with an error instead of hanging the process.
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n\tQSA_MBAR_WAIT:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
-      "@!p bra QSA_MBAR_WAIT;\n\t}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
+  for (unsigned tries = 0;; ++tries) {
+    unsigned done;
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (tries == 1u << 26) __trap();
+  }
 }
 // bytes (a multiple of 16, both addresses 16-byte aligned) global -> this CTA's smem.
 __device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {

@@ -70,18 +70,26 @@ def measure(run, sets, expects) -> float | str:
 
 
 def sweep_variants(gib: float) -> int:
-    """Run the sweep, print the table last; returns the number of failed checks."""
+    """Run the sweep, print the table last; returns the number of failed checks.
+
+    Phases over all four calls: the dispatcher, the cp.async variants, the bulk-copy
+    (mbarrier) variants, the dispatcher again. A bulk variant whose barrier never completes
+    traps (an error, not a hang), which poisons the process's CUDA context: the riskiest
+    runs go last so everything before them is measured.
+    """
     labels = ["dispatcher"]
     labels += [f"1p {n}" for n in qv.SINGLE_VARIANTS] + [f"cl {n}" for n in qv.CLUSTER_VARIANTS]
     labels.append("dispatcher again")
     cells: dict[tuple[str, int], float | str] = {}
     failures = []
     sms = sm_count(torch.cuda.current_device())
-    for col, shape in enumerate(TARGETS):
-        rows, hq, hkv, topk = shape
+    calls = []  # (column, name, sets, references, [(label, run, bulk)])
+    for col, (rows, hq, hkv, topk) in enumerate(TARGETS):
         name = f"{rows}/{hq}/{hkv}/{topk}"
         try:
-            sets = bench.make_sets(*shape, bench.n_sets_for(rows, hkv, topk), gib, seed=30 + col)
+            sets = bench.make_sets(
+                rows, hq, hkv, topk, bench.n_sets_for(rows, hkv, topk), gib, seed=30 + col
+            )
             expects = [float_reference(sets[0]), float_reference(sets[-1])]
         except Exception as exc:
             traceback.print_exc()
@@ -89,22 +97,29 @@ def sweep_variants(gib: float) -> int:
             continue
         single = dispatcher_splits(rows, hkv, topk) == 1
         prefix, table = ("1p", qv.SINGLE_VARIANTS) if single else ("cl", qv.CLUSTER_VARIANTS)
-        runs = [("dispatcher", bench.dispatcher)]
+        runs = []
         for vname, variant in table.items():
             if qv.refusal(variant, sets[0], device_sms=sms) is None:
                 run = lambda a, v=variant: qv.run_variant(a, v)  # noqa: E731
-                runs.append((f"{prefix} {vname}", run))
-        runs.append(("dispatcher again", bench.dispatcher))
-        for label, run in runs:
-            value = measure(run, sets, expects)
-            cells[(label, col)] = value
-            if isinstance(value, str):
-                failures.append(f"{label} on {name}: {value}")
-                print(f"!!! FAIL {label} on {name}: {value}", flush=True)
-            else:
-                print(f"{name} {label}: {value:.1f} µs", flush=True)
-        del sets, expects
-        torch.cuda.empty_cache()
+                runs.append((f"{prefix} {vname}", run, "tma" in variant.features))
+        calls.append((col, name, sets, expects, runs))
+
+    def record(label, col, name, value):
+        cells[(label, col)] = value
+        if isinstance(value, str):
+            failures.append(f"{label} on {name}: {value}")
+            print(f"!!! FAIL {label} on {name}: {value}", flush=True)
+        else:
+            print(f"{name} {label}: {value:.1f} µs", flush=True)
+
+    for phase in ("dispatcher", False, True, "dispatcher again"):
+        for col, name, sets, expects, runs in calls:
+            if isinstance(phase, str):
+                record(phase, col, name, measure(bench.dispatcher, sets, expects))
+                continue
+            for label, run, bulk in runs:
+                if bulk == phase:
+                    record(label, col, name, measure(run, sets, expects))
 
     heads = [f"{r}/{hq}/{hkv}/{k} k{dispatcher_splits(r, hkv, k)}" for r, hq, hkv, k in TARGETS]
     body = [[label, *[cells.get((label, c), "·") for c in range(len(TARGETS))]] for label in labels]
