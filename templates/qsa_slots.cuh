@@ -7,9 +7,10 @@
 // the padding columns past TOPK (up to slot_columns, a multiple of the decode chunk), is
 // written as -1, so the decode kernel needs no other validity information.
 //
-// One thread per column; grid = (rows, ceil(slot_columns / 256)). qsa_slots_order (opt-in)
-// also sorts the rows for the decode. PAGE_SIZE is a template
-// parameter so the index split is a multiply-shift even for non-power-of-two pages.
+// One thread per column; grid = (rows, ceil(slot_columns / 256)). PAGE_SIZE is a template
+// parameter so the index split is a multiply-shift even for non-power-of-two pages. The
+// opt-in qsa_slots_order also sorts the rows for the decode; resolve_slot_list is the
+// decode's own (fused) resolution under the same rules.
 #pragma once
 
 namespace fij_qsa {
