@@ -37,7 +37,8 @@ CLUSTER_ONLY = {"ilv"}
 WARPS = (4, 8, 16)
 MAX_CLUSTER = 16  # 9..16: non-portable cluster sizes
 BULK_STAGE_BYTES = 4224  # stage_bytes(128, true) in templates/qsa_util.cuh
-SMEM_LIMIT = 227 * 1024
+SMEM_LIMIT = 227 * 1024  # per CTA
+SM_SMEM, CTA_RESERVED = 228 * 1024, 1024  # per SM, and the system's share of each CTA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +86,8 @@ CLUSTER_VARIANTS = {
     "ig": Variant(_IG),
     "ig+qk2": Variant((*_IG, "qk2")),
     "ig+lin": Variant((*_IG, "lin")),
-    "ig+tma256": Variant((*_IG, "tma", "kv256")),
+    "ig+tma256": Variant((*_IG, "tma", "kv256")),  # 3 CTAs/SM: one-wave grids only
+    "ig+tma256 s2": Variant((*_IG, "tma", "kv256"), config=(4, 2, 4)),
     "ig w8": Variant(_IG, config=(8, 3, 1), one_wave=True),
     "ig w16s2": Variant(_IG, config=(16, 2, 1), one_wave=True),
     "ig+tma256 w16s2": Variant((*_IG, "tma", "kv256"), config=(16, 2, 1), one_wave=True),
@@ -196,6 +198,15 @@ def refusal(
     smem = decode_smem_bytes(head_dim, warps, stages, min_ctas, splits > 1, cap, "tma" in feats)
     if smem > SMEM_LIMIT:
         return f"{smem} bytes of shared memory"
+    # A variant whose shared memory fits fewer CTAs per SM than its launch bound would be
+    # measured at another occupancy than designed (unless its grid fits at that one anyway).
+    fit = SM_SMEM // (smem + CTA_RESERVED)
+    if (
+        device_sms is not None
+        and fit < min_ctas
+        and rows * num_kv_heads * splits > fit * device_sms
+    ):
+        return f"{smem} bytes of shared memory fit {fit} CTAs per SM, not {min_ctas}"
     return None
 
 

@@ -44,17 +44,26 @@ def test_smem_formula_matches_shipped(head_dim, config, cluster, cap):
 
 
 def test_variant_tables_apply_to_their_targets():
-    """Every shipped-for-measurement variant applies to the issue's calls of its path."""
+    """Every variant applies to an issue call of its path; the only refusals there are
+    one-wave variants on bigger grids and variants that would lose occupancy."""
+    used = set()
     for rows, hq, hkv, topk in TARGETS:
         args = bench_args(rows, hq, hkv, topk)
         single = qsa.use_fp8_decode_kernel(rows * hkv, torch.uint8)
         table = qv.SINGLE_VARIANTS if single else qv.CLUSTER_VARIANTS
         for name, variant in table.items():
             reason = qv.refusal(variant, args, device_sms=132)
-            if variant.one_wave and rows * hkv * qsa.split_count(rows, hkv, topk) > 132:
-                assert reason and "one-wave" in reason, name
+            if reason is None:
+                used.add((single, name))
             else:
-                assert reason is None, f"{name} on {(rows, hq, hkv, topk)}: {reason}"
+                assert "one-wave" in reason or "CTAs per SM" in reason, f"{name}: {reason}"
+                assert variant.one_wave or "tma" in variant.features, f"{name}: {reason}"
+    assert used == {(True, n) for n in qv.SINGLE_VARIANTS} | {
+        (False, n) for n in qv.CLUSTER_VARIANTS
+    }
+    assert "CTAs per SM" in qv.refusal(
+        qv.CLUSTER_VARIANTS["ig+tma256"], bench_args(*TARGETS[0]), device_sms=132
+    )
 
 
 def test_refusals_name_the_rule():
