@@ -19,6 +19,7 @@ from jit_kernels import (
     kernels_disabled,
 )
 from jit_kernels.arch import capability
+from jit_kernels.plan_cache import PlanCache
 
 from . import mla_kv_pack_cake as cake
 from . import mla_kv_pack_tuning as tuning
@@ -307,9 +308,9 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
 # The fast path: a call whose tensors repeat an earlier fused call's shapes, strides,
 # dtypes, device, nope_dim and backend replays that call's plan with new addresses,
 # skipping the argument checks and planning (a serving engine calls this every step).
-# Only the addresses' alignment is checked again; a miss takes the full path.
-_FAST: dict[tuple, Plan] = {}
-_FAST_MAX = 256
+# Only the addresses' alignment is checked again; a miss takes the full path. The key
+# follows jit_kernels.plan_cache.
+_replays: PlanCache[Plan] = PlanCache()
 
 
 def _signature(kv_nope, k_pe, key, value, nope_dim: int, backend: str) -> tuple:
@@ -366,9 +367,14 @@ def concat_mla_kv_quant_fp8(
     they are allocated. Results are bit-exact across backends and the torch path.
     """
     compiling = torch.compiler.is_compiling()
+    sig = None  # calls that pass both outputs replay (allocating ones never find a plan)
     if key is not None and value is not None and not compiling:
-        plan = _FAST.get(_signature(kv_nope, k_pe, key, value, nope_dim, backend))
-        if plan is not None and not kernels_disabled():
+        try:
+            sig = _signature(kv_nope, k_pe, key, value, nope_dim, backend)
+            plan = _replays.get(sig)
+        except (AttributeError, TypeError):  # not tensors: the checks say what
+            sig = plan = None
+        if plan is not None:
             if plan.launch(kv_nope.data_ptr(), k_pe.data_ptr(), key.data_ptr(), value.data_ptr()):
                 return key, value
     pe2 = _check_args(kv_nope, k_pe, key, value, nope_dim, backend)
@@ -386,8 +392,6 @@ def concat_mla_kv_quant_fp8(
         return key, value
     # Eager calls skip the custom-op dispatcher's host cost.
     plan = _concat_impl(kv_nope, pe2, key, value, nope_dim, backend)
-    if plan is not None:
-        if len(_FAST) >= _FAST_MAX:
-            _FAST.clear()
-        _FAST[_signature(kv_nope, k_pe, key, value, nope_dim, backend)] = plan
+    if plan is not None and sig is not None:
+        _replays.put(sig, plan)
     return key, value

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 
 import torch
 
@@ -19,21 +18,19 @@ from jit_kernels import (
     KernelSpec,
     KernelUnavailable,
     capability,
-    current_stream,
     fall_back,
     kernels_disabled,
     sm_count,
     validate_inputs,
 )
+from jit_kernels.plan_cache import PlanCache
 
 from ._jit import cuda_device_index, kernel_family
 from .mqa_logits_checks import (
-    CHECKED_MAX,
     check_args,
     check_dtypes,
     check_out,
     check_schedule,
-    checked,
     kernel_smem,
     launch_config,
     min_block_table_width,
@@ -41,11 +38,10 @@ from .mqa_logits_checks import (
     reg_cap,
     ring_regs,
     ring_stages,
-    signature,
     validate_preconditions,
 )
-from .mqa_logits_fast import FAST, fast_allowed, remember
 from .mqa_logits_generic import generic_plan, generic_specs
+from .mqa_logits_launch import Launch
 from .mqa_logits_ref import paged_mqa_logits_torch
 from .mqa_logits_schedule import (
     _SCHEDULE_THREADS,
@@ -142,9 +138,9 @@ def _kernel_refusal(q, kv_fused) -> str | None:
     return None
 
 
-# (geometry, dtypes, device, override) -> (kernel, grid, block, smem): a repeated call
-# skips choosing the variant and sizing the launch (host time is most of a small call).
-_plans: dict[tuple, tuple] = {}
+# (geometry, dtypes, device, overrides) -> plan: a call that misses the replay (a new out
+# layout, say) skips choosing the variant and sizing the launch.
+_plans: PlanCache[tuple] = PlanCache(replay=False)
 
 
 def _launchable(plan: tuple, what: str) -> tuple:
@@ -208,17 +204,7 @@ def _plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int) -> tuple:
     kernel (sm_90, head_dim 128), else the ring/direct specialization, else the generic
     kernel. ``extra`` is appended to every launch's arguments; ``kv args``, when not None,
     maps (kv_fused address, kv_fused) to the per-pool arguments appended after them."""
-    jit_off = os.environ.get("FLASHINFER_JIT_DISABLE") == "1"
-    key = (
-        geometry,
-        output_dtype,
-        epi_dtype,
-        acc_dtype,
-        device,
-        _config_override,
-        _force_generic,
-        jit_off,
-    )
+    key = (geometry, output_dtype, epi_dtype, acc_dtype, device, _config_override, _force_generic)
     plan = _plans.get(key)
     if plan is None:
         dtypes = (output_dtype, epi_dtype, acc_dtype)
@@ -230,47 +216,20 @@ def _plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int) -> tuple:
             except KernelUnavailable as exc:
                 plan = generic_plan(geometry, *dtypes, device, str(exc))
                 plan = _launchable(plan, "generic kernel")
-        _plans[key] = plan
+        _plans.put(key, plan)
     return plan
 
 
 def _launch(
-    q,
-    kv_fused,
-    weights,
-    block_tables,
-    seq_lens,
-    schedule,
-    out,
-    output_dtype,
-    epi_dtype,
-    acc_dtype,
-    geometry,
-) -> tuple:
-    """Launch; return the plan used."""
+    q, kv_fused, weights, block_tables, seq_lens, max_seq_len: int, output_dtype, epi_dtype,
+    acc_dtype, schedule, out, geometry,
+) -> Launch:  # fmt: skip
+    """Launch; return the launch (what a repeat call replays)."""
     device = cuda_device_index(q)
     plan = _plan(geometry, output_dtype, epi_dtype, acc_dtype, device)
-    kernel, grid, block, smem, extra, kv_args = plan
-    q = q if q.is_contiguous() else q.contiguous()
-    weights = weights if weights.is_contiguous() else weights.contiguous()
-    args = (
-        q.data_ptr(),
-        kv_fused.data_ptr(),
-        weights.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        seq_lens.data_ptr(),
-        seq_lens.stride(0),
-        0 if schedule is None else schedule.data_ptr(),
-        out.data_ptr(),
-        out.stride(0),
-        geometry[0],
-        *extra,
-    )
-    if kv_args is not None:
-        args += kv_args(kv_fused.data_ptr(), kv_fused)
-    kernel.launch(grid, block, current_stream(device), args, smem)
-    return plan
+    launch = Launch(plan, device, q, weights, block_tables, seq_lens, out, max_seq_len)
+    launch.run(q, kv_fused, weights, block_tables, seq_lens, schedule, out)  # aligned: refusal
+    return launch
 
 
 def prebuild_specs(workloads: dict) -> list[KernelSpec]:
@@ -295,11 +254,16 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
 
 
 # -- the op ------------------------------------------------------------------------------
+# Eager calls that repeat an earlier kernel call's metadata replay its launch; the key
+# also holds the overrides the tests and benchmarks set.
+_replays: PlanCache[Launch] = PlanCache()
+
+
 def _logits_impl(
     q, kv_fused, weights, block_tables, seq_lens, max_seq_len: int, output_dtype, epi_dtype, acc_dtype,
     schedule_meta, out,
-) -> tuple | None:  # fmt: skip
-    """Write the logits into ``out``; return the kernel plan that served, None for torch."""
+) -> Launch | None:  # fmt: skip
+    """Write the logits into ``out``; return the kernel launch that served, None for torch."""
     geometry = (q.shape[0], q.shape[1], q.shape[2], q.shape[3], kv_fused.shape[1])
     if q.shape[0] == 0 or max_seq_len == 0:
         return None
@@ -308,8 +272,8 @@ def _logits_impl(
         if reason is None:
             try:
                 return _launch(
-                    q, kv_fused, weights, block_tables, seq_lens, schedule_meta, out,
-                    output_dtype, epi_dtype, acc_dtype, geometry,
+                    q, kv_fused, weights, block_tables, seq_lens, max_seq_len, output_dtype,
+                    epi_dtype, acc_dtype, schedule_meta, out, geometry,
                 )  # fmt: skip
             except KernelUnavailable as exc:
                 reason = str(exc)
@@ -366,67 +330,39 @@ def fp8_paged_mqa_logits(
     requests with seq_lens[b] == 0 are never written.
     """
     compiling = torch.compiler.is_compiling()
-    fast_key = None
+    key = None
     if not compiling:
-        try:  # the fast path's key; the strides it reads are reused as kernel arguments
-            t_stride, l_stride = block_tables.stride(), seq_lens.stride()
-            o_stride = None if out is None else out.stride()
-            fast_key = (
-                q.shape, q.stride(), q.dtype, q.get_device(),
-                kv_fused.shape, kv_fused.stride(), kv_fused.dtype, kv_fused.get_device(),
-                weights.shape, weights.stride(), weights.dtype, weights.get_device(),
-                block_tables.shape, t_stride, block_tables.dtype, block_tables.get_device(),
-                seq_lens.shape, l_stride, seq_lens.dtype, seq_lens.get_device(),
-                max_seq_len, type(max_seq_len), output_dtype, epi_dtype, acc_dtype,
+        try:  # the replay key (jit_kernels.plan_cache); kernels read q, kv, weights densely
+            key = (
+                q.shape, q.is_contiguous(), q.dtype, q.get_device(),
+                kv_fused.shape, kv_fused.is_contiguous(), kv_fused.dtype, kv_fused.get_device(),
+                weights.shape, weights.is_contiguous(), weights.dtype, weights.get_device(),
+                block_tables.shape, block_tables.stride(), block_tables.dtype,
+                block_tables.get_device(),
+                seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.get_device(),
+                type(max_seq_len), max_seq_len, output_dtype, epi_dtype, acc_dtype,
                 None if schedule_meta is None else (
                     schedule_meta.shape, schedule_meta.stride(), schedule_meta.dtype,
                     schedule_meta.get_device(),
                 ),
-                None if out is None else (out.shape, o_stride, out.dtype, out.get_device()),
+                None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
                 _config_override, _force_generic,
             )  # fmt: skip
-            fast = FAST.get(fast_key)
-        except (AttributeError, TypeError, IndexError):  # not tensors: the full checks say what
-            fast_key, fast = None, None
-        if fast is not None and fast_allowed():
-            q_ptr, kv_ptr = q.data_ptr(), kv_fused.data_ptr()
-            if not (q_ptr | kv_ptr) & 15:
-                if out is None:
-                    out = torch.empty(
-                        (fast.rows, fast.cols), dtype=fast.dtype, device=fast.torch_device
-                    )
-                    o_stride = (fast.cols,)
-                kernel, grid, block, smem, extra, kv_args = fast.plan
-                args = (
-                    q_ptr, kv_ptr, weights.data_ptr(), block_tables.data_ptr(), t_stride[0],
-                    seq_lens.data_ptr(), l_stride[0],
-                    0 if schedule_meta is None else schedule_meta.data_ptr(),
-                    out.data_ptr(), o_stride[0], fast.batch, *extra,
-                )  # fmt: skip
-                if kv_args is not None:
-                    args += kv_args(kv_ptr, kv_fused)
-                kernel.launch(grid, block, current_stream(fast.device), args, smem)
-                return out if fast.whole else out[: fast.rows, :max_seq_len]
-    try:
-        key = signature(
-            q, kv_fused, weights, block_tables, seq_lens, max_seq_len, output_dtype, epi_dtype,
-            acc_dtype, out,
-        )  # fmt: skip
-    except (AttributeError, TypeError):  # not tensors: the full checks say what is wrong
-        key = None
-    geometry = checked.get(key) if key is not None else None
-    if geometry is None:
-        check_dtypes(output_dtype, epi_dtype, acc_dtype)
-        geometry = check_args(q, kv_fused, weights, block_tables, seq_lens, max_seq_len)
-        if out is not None:
-            check_out(
-                out, geometry[0] * geometry[1], padded_seq_len(max_seq_len), output_dtype, q.device
-            )
-        if key is not None and len(checked) < CHECKED_MAX:
-            checked[key] = geometry
-    batch, next_n, _, _, block_size = geometry
+            launch = _replays.get(key)
+        except (AttributeError, TypeError, IndexError):  # not tensors: the checks say what
+            key = launch = None
+        if launch is not None:
+            logits = launch.run(q, kv_fused, weights, block_tables, seq_lens, schedule_meta, out)
+            if logits is not None:
+                return logits
+    check_dtypes(output_dtype, epi_dtype, acc_dtype)
+    batch, next_n, _, _, block_size = check_args(
+        q, kv_fused, weights, block_tables, seq_lens, max_seq_len
+    )
     rows = batch * next_n
-    if out is None:
+    if out is not None:
+        check_out(out, rows, padded_seq_len(max_seq_len), output_dtype, q.device)
+    else:
         out = torch.empty(rows, padded_seq_len(max_seq_len), dtype=output_dtype, device=q.device)
     if schedule_meta is not None:
         check_schedule(schedule_meta, q.device)
@@ -439,8 +375,8 @@ def fp8_paged_mqa_logits(
     if compiling:
         _logits_op(*args)
     else:  # eager calls skip the custom-op dispatcher's host cost
-        plan = _logits_impl(*args)
-        if plan is not None and fast_key is not None:
-            remember(fast_key, plan, q, weights, rows, max_seq_len, out)
+        launch = _logits_impl(*args)
+        if launch is not None and key is not None:
+            _replays.put(key, launch)
     # A view of the whole of `out` is `out` itself: skip the slicing (~2 us of host time).
     return out if out.shape == (rows, max_seq_len) else out[:rows, :max_seq_len]

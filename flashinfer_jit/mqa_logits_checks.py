@@ -318,22 +318,6 @@ def check_schedule(schedule, device) -> None:
     )
 
 
-# Argument metadata already validated -> geometry. Every check above depends only on
-# these values, so a repeated call skips ~40 checks (several microseconds of host time).
-checked: dict[tuple, tuple[int, ...]] = {}
-CHECKED_MAX = 4096
-
-
-def signature(q, kv, w, table, lens, max_seq_len, output_dtype, epi_dtype, acc_dtype, out) -> tuple:
-    o = None if out is None else (out.shape, out.stride(), out.dtype, out.device)
-    return (
-        q.shape, q.dtype, q.device, kv.shape, kv.stride(), kv.dtype, kv.device,
-        w.shape, w.dtype, w.device, table.shape, table.stride(), table.dtype, table.device,
-        lens.shape, lens.dtype, lens.device, type(max_seq_len), max_seq_len,
-        output_dtype, epi_dtype, acc_dtype, o,
-    )  # fmt: skip
-
-
 def validate_preconditions(
     kv_fused, block_tables, seq_lens, max_seq_len: int, block_size: int
 ) -> None:

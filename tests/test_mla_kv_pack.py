@@ -19,6 +19,7 @@ import torch
 from flashinfer_jit import mla_kv_pack as mkp
 from flashinfer_jit import mla_kv_pack_cake as cake
 from flashinfer_jit.mla_kv_pack import concat_mla_kv_quant_fp8
+from jit_kernels.plan_cache import PlanCache
 
 MIN_NORMAL = 2.0**-6
 SUBNORMAL_STEP = 2.0**-9
@@ -301,11 +302,11 @@ def test_fast_path_dispatch(monkeypatch):
             launched.append(ptrs)
             return self.ok
 
-    monkeypatch.setattr(mkp, "_FAST", {})
+    monkeypatch.setattr(mkp, "_replays", PlanCache())
     concat_mla_kv_quant_fp8(kv, pe, key, value)
-    assert mkp._FAST == {}  # the torch path caches nothing
+    assert len(mkp._replays) == 0  # the torch path caches nothing
     sig = mkp._signature(kv, pe, key, value, 128, "auto")
-    mkp._FAST[sig] = FakePlan(True)
+    mkp._replays.put(sig, FakePlan(True))
     key.view(torch.uint8).zero_()
     assert concat_mla_kv_quant_fp8(kv, pe, key, value) == (key, value)
     assert launched == [(kv.data_ptr(), pe.data_ptr(), key.data_ptr(), value.data_ptr())]
@@ -316,7 +317,7 @@ def test_fast_path_dispatch(monkeypatch):
     concat_mla_kv_quant_fp8(kv, pe, key, value)
     assert len(launched) == 1
     monkeypatch.delenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE")
-    mkp._FAST[sig] = FakePlan(False)  # misaligned: the full path serves
+    mkp._replays.put(sig, FakePlan(False))  # misaligned: the full path serves
     key.view(torch.uint8).zero_()
     concat_mla_kv_quant_fp8(kv, pe, key, value)
     assert len(launched) == 2 and torch.equal(codes(key), ref_pack(kv, pe)[0])

@@ -176,14 +176,14 @@ def test_fast_path_replays_the_plan(backend, monkeypatch):
     """A repeated call replays the cached plan with new addresses; a misaligned one, or
     one with the env switch set, still takes the path that can serve it."""
     tokens, heads = 33, 16
-    mkp._FAST.clear()
+    mkp._replays.clear()
     for seed in (1, 2):
         kv, pe = make_inputs(tokens, heads, device="cuda", seed=seed)
         key, value = poisoned(tokens, heads, 192), poisoned(tokens, heads, 128)
         concat_mla_kv_quant_fp8(kv, pe, key, value, backend=backend)
         torch.cuda.synchronize()
         check(kv, pe, key, value)
-    assert len(mkp._FAST) == 1
+    assert len(mkp._replays) == 1
     # Same shapes and strides, 16-byte but not 32-byte aligned kv_nope: cake's plan
     # refuses the addresses; the full path serves (auto/specialized) or strict mode says so.
     store = torch.empty(tokens * heads * 256 + 8, dtype=torch.bfloat16, device="cuda")

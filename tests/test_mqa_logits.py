@@ -493,13 +493,12 @@ def test_fast_path_replays_the_full_path(monkeypatch, request):
     plan = (Kernel(), (7, 1, 1), (288, 1, 1), 1234, (), None)
     monkeypatch.setattr(mq, "_kernel_refusal", lambda q, kv: None)
     monkeypatch.setattr(mq, "_plan", lambda *a: plan)
-    import flashinfer_jit.mqa_logits_fast as mqf
+    import flashinfer_jit.mqa_logits_launch as mql
 
     monkeypatch.setattr(mq, "cuda_device_index", lambda t: 0)
-    monkeypatch.setattr(mqf, "cuda_device_index", lambda t: 0)
-    monkeypatch.setattr(mq, "current_stream", lambda d: 0)
-    mqf.FAST.clear()
-    request.addfinalizer(mqf.FAST.clear)  # entries of the fake plan must not outlive the test
+    monkeypatch.setattr(mql, "current_stream", lambda d: 0)
+    mq._replays.clear()
+    request.addfinalizer(mq._replays.clear)  # launches of the fake plan must not outlive the test
     a = make_inputs([70, 5, 300], next_n=2, heads=32, seed=1)
     b = make_inputs([70, 5, 300], next_n=2, heads=32, seed=2)
     max_len = a[5]
@@ -510,7 +509,7 @@ def test_fast_path_replays_the_full_path(monkeypatch, request):
             got = fp8_paged_mqa_logits(*inputs[:5], max_len, out=out)
             assert got.shape == (6, max_len)
             assert out is None or got.data_ptr() == wide.data_ptr()
-        assert len(mqf.FAST) >= 1
+        assert len(mq._replays) >= 1
         full, fast_b, fast_a = calls
         assert full[2][:3] == fast_a[2][:3] and full[2][4:8] == fast_a[2][4:8]
         assert full[2][9:] == fast_a[2][9:] == fast_b[2][9:]

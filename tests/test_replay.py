@@ -1,0 +1,357 @@
+"""The ops' eager replay of a cached launch (CPU, kernels stubbed): a repeat call replays,
+any change of tensor metadata or scalar arguments takes the full path, and so does every
+call while an environment switch says so."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flashinfer_jit.mla_kv_pack as mkp
+import flashinfer_jit.mqa_logits as mq
+import flashinfer_jit.mqa_logits_launch as mql
+import flashinfer_jit.qsa as qsa
+import flashinfer_jit.qsa_launch as qsl
+from jit_kernels import KernelFamily
+from jit_kernels.plan_cache import PlanCache
+
+SWITCHES = ("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", "FLASHINFER_VALIDATE_INPUTS")
+E4M3 = torch.float8_e4m3fn
+
+
+class FakeKernel:
+    """Records launches instead of making them."""
+
+    name = "fake"
+
+    def __init__(self, launches: list):
+        self.launches = launches
+
+    def launch(self, grid, block, stream, args, smem=0):
+        self.launches.append((grid, block, args, smem))
+
+    def blocks_per_sm(self, threads, smem=0):
+        return 1
+
+
+def fake_cuda(t: torch.Tensor) -> torch.Tensor:
+    """A tensor with ``t``'s metadata on cuda:0, no GPU needed (a FakeTensor)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
+
+
+class Stub:
+    """Counts the op's full-path runs (``full``) and every launch (``launches``)."""
+
+    def __init__(self):
+        self.full: list = []
+        self.launches: list = []
+
+    def runs(self, call) -> int:
+        """Full-path runs of ``call()``: 0 when it replayed."""
+        before = len(self.full)
+        call()
+        return len(self.full) - before
+
+
+@pytest.fixture
+def stub(monkeypatch):
+    for name in (*SWITCHES, "FLASHINFER_JIT_DISABLE"):
+        monkeypatch.delenv(name, raising=False)
+    return Stub()
+
+
+# -- MQA ----------------------------------------------------------------------------------------
+def mqa_args(batch=3, next_n=2, heads=32, dim=64, block=32, blocks=40, width=8):
+    return dict(
+        q=torch.zeros(batch, next_n, heads, dim, dtype=E4M3),
+        kv_fused=torch.zeros(blocks, block, 1, dim + 4, dtype=torch.uint8),
+        weights=torch.zeros(batch * next_n, heads),
+        block_tables=torch.zeros(batch, width, dtype=torch.int32),
+        seq_lens=torch.zeros(batch, dtype=torch.int32),
+        max_seq_len=200,
+    )
+
+
+@pytest.fixture
+def mqa_stub(stub, monkeypatch):
+    kernel = FakeKernel(stub.launches)
+    monkeypatch.setattr(mq, "_kernel_refusal", lambda q, kv: None)
+    monkeypatch.setattr(
+        mq,
+        "_plan",
+        lambda *a: stub.full.append(a) or (kernel, (7, 1, 1), (288, 1, 1), 99, (), None),
+    )
+    monkeypatch.setattr(mq, "cuda_device_index", lambda t: 0)
+    monkeypatch.setattr(mql, "current_stream", lambda device: 0)
+    monkeypatch.setattr(mq, "_replays", PlanCache())
+    return stub
+
+
+def _strided(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t``'s values in a tensor whose ``dim`` has twice the stride (same shape)."""
+    shape = list(t.shape)
+    shape[dim] *= 2
+    view = torch.zeros(shape, dtype=t.dtype)[(slice(None),) * dim + (slice(None, None, 2),)]
+    return view.copy_(t)
+
+
+def _mqa_variants(a: dict) -> dict:
+    """A change of one metadata element each, every one a valid call."""
+    f16 = torch.float16
+    wide_out = torch.empty(6, mq.padded_seq_len(200) + 8)
+    return {
+        "max_seq_len": dict(a, max_seq_len=201),
+        "output_dtype": dict(a, output_dtype=f16),
+        "epi_dtype": dict(a, epi_dtype=f16),
+        "acc_dtype": dict(a, acc_dtype=f16),
+        "q strides": dict(a, q=a["q"].view(torch.uint8).transpose(0, 1).contiguous()
+                          .transpose(0, 1).view(E4M3)),
+        "weights strides": dict(a, weights=_strided(a["weights"], 0)),
+        "block_tables strides": dict(a, block_tables=_strided(a["block_tables"], 0)),
+        "block_tables shape": dict(a, block_tables=torch.zeros(3, 9, dtype=torch.int32)),
+        "seq_lens strides": dict(a, seq_lens=_strided(a["seq_lens"], 0)),
+        "kv_fused shape": dict(a, kv_fused=torch.zeros(41, 32, 1, 68, dtype=torch.uint8)),
+        "out given": dict(a, out=torch.empty(6, mq.padded_seq_len(200))),
+        "out strides": dict(a, out=wide_out[:, 8:]),
+        "schedule_meta": dict(a, schedule_meta=torch.zeros(5, 2, dtype=torch.int32)),
+    }  # fmt: skip
+
+
+def test_mqa_repeat_replays_and_each_change_misses(mqa_stub):
+    stub, base = mqa_stub, mqa_args()
+    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 1
+    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**mqa_args())) == 0  # new tensors
+    assert len(stub.launches) == 2
+    for name, args in _mqa_variants(base).items():
+        assert stub.runs(lambda args=args: mq.fp8_paged_mqa_logits(**args)) == 1, name
+        assert stub.runs(lambda args=args: mq.fp8_paged_mqa_logits(**args)) == 0, name
+    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 0
+    # A non-contiguous q: the replay launches on a dense copy, as the full path does.
+    q = _mqa_variants(base)["q strides"]["q"]
+    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**dict(base, q=q))) == 0
+    assert not q.is_contiguous() and stub.launches[-1][2][0] != q.data_ptr()
+
+
+def test_mqa_changes_the_checks_refuse_miss(mqa_stub, monkeypatch):
+    """Cached metadata never answers for a call the checks refuse (each scalar's type too)."""
+    stub, base = mqa_stub, mqa_args()
+    mq.fp8_paged_mqa_logits(**dict(base, max_seq_len=1))
+    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**dict(base, max_seq_len=True))) == 1
+    mq.fp8_paged_mqa_logits(**base)
+    bad = {
+        "seq_lens dtype": (dict(base, seq_lens=base["seq_lens"].long()), TypeError),
+        "weights device": (dict(base, weights=fake_cuda(base["weights"])), ValueError),
+        "out dtype": (dict(base, out=torch.empty(6, 256, dtype=torch.float16)), TypeError),
+        "max_seq_len type": (dict(base, max_seq_len=200.0), ValueError),
+    }
+    for args, exc in bad.values():
+        with pytest.raises(exc):
+            mq.fp8_paged_mqa_logits(**args)
+    monkeypatch.setattr(mq, "_config_override", (2, 0, False, True))  # a benchmark's override
+    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 1
+
+
+def test_mqa_switches_take_effect_on_the_next_call(mqa_stub, monkeypatch):
+    stub, base = mqa_stub, mqa_args()
+    mq.fp8_paged_mqa_logits(**base)
+    launches = len(stub.launches)
+    monkeypatch.setenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", "1")
+    mq.fp8_paged_mqa_logits(**base)  # the torch path: nothing launched
+    assert len(stub.launches) == launches
+    monkeypatch.delenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE")
+    checked = []
+    monkeypatch.setattr(mq, "validate_preconditions", lambda *a: checked.append(a))
+    monkeypatch.setenv("FLASHINFER_VALIDATE_INPUTS", "1")
+    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 1 and len(checked) == 1
+    monkeypatch.delenv("FLASHINFER_VALIDATE_INPUTS")
+    monkeypatch.setenv("FLASHINFER_JIT_DISABLE", "1")  # plans of its own, then replays
+    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 1
+    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 0
+    monkeypatch.delenv("FLASHINFER_JIT_DISABLE")
+    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 0 and not checked[1:]
+
+
+def test_mqa_per_pool_arguments_once_per_address(mqa_stub, monkeypatch):
+    """The kv args (the TMA tensor map) are computed once per pool address."""
+    stub, base, maps = mqa_stub, mqa_args(), []
+    kernel = FakeKernel(stub.launches)
+
+    def kv_args(kv_ptr, kv_fused):
+        maps.append(kv_ptr)
+        return (kv_ptr.to_bytes(8, "little"),)
+
+    plan = (kernel, (7, 1, 1), (288, 1, 1), 99, (), kv_args)
+    monkeypatch.setattr(mq, "_plan", lambda *a: stub.full.append(a) or plan)
+    other = mqa_args()
+    for args in (base, base, base, other, other, base):
+        mq.fp8_paged_mqa_logits(**args)
+    kv, kv2 = base["kv_fused"].data_ptr(), other["kv_fused"].data_ptr()
+    assert maps == [kv, kv2, kv] and len(stub.full) == 1
+    assert [launch[2][-1] for launch in stub.launches[-3:]] == [kv2.to_bytes(8, "little")] * 2 + [
+        kv.to_bytes(8, "little")
+    ]
+
+
+# -- QSA ----------------------------------------------------------------------------------------
+def qsa_args(rows=3, hq=8, hkv=2, d=64, page=16, blocks=24, topk=40, combined=False):
+    if combined:
+        kv = torch.zeros(blocks, hkv, page, 2 * d, dtype=E4M3)
+        k_cache, v_cache = kv.transpose(1, 2).split(d, dim=-1)
+    else:
+        k_cache = torch.zeros(blocks, page, hkv, d, dtype=E4M3)
+        v_cache = torch.zeros(blocks, page, hkv, d, dtype=E4M3)
+    q = torch.zeros(rows, hq, d, dtype=torch.bfloat16)
+    return dict(
+        q=q, k_cache=k_cache, v_cache=v_cache,
+        logical_indices=torch.zeros(rows, topk + 1, dtype=torch.int32),
+        block_table=torch.zeros(3, 6, dtype=torch.int32),
+        token_to_req=torch.zeros(rows, dtype=torch.int32),
+        out=torch.empty_like(q), output_gate=torch.zeros_like(q),
+        softmax_scale=1 / math.sqrt(d), output_scale=1.0,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def qsa_stub(stub, monkeypatch):
+    kernel = FakeKernel(stub.launches)
+    monkeypatch.setattr(KernelFamily, "get", lambda self, params, device: kernel)
+    for module, name in ((qsa, "cuda_device_index"), (qsa, "current_stream")):
+        monkeypatch.setattr(module, name, lambda x: 0)
+    monkeypatch.setattr(qsl, "current_stream", lambda device: 0)
+    monkeypatch.setattr(qsa, "sm_count", lambda device: 132)
+
+    def impl(args, dispatch):  # qsa._impl's kernel branch, without its CUDA-device test
+        stub.full.append(args)
+        rows, hkv, topk = args[0].shape[0], args[1].shape[2], args[3].shape[1] - 1
+        splits = qsa.split_count(rows, hkv, topk) if dispatch else 1
+        launch = qsa._decode_launch(*args[:8], splits)
+        if not launch.run(*args):
+            raise ValueError("not 16-byte aligned")
+        return launch
+
+    monkeypatch.setattr(qsa, "_impl", impl)
+    monkeypatch.setattr(qsa, "_replays", PlanCache())
+    return stub
+
+
+def _qsa_variants(a: dict) -> dict:
+    wide = torch.zeros(3, 2 * 41, dtype=torch.int32)
+    return {
+        "cache strides": dict(a, **{k: v for k, v in qsa_args(combined=True).items()
+                                    if k in ("k_cache", "v_cache")}),
+        "cache dtype": dict(a, k_cache=a["k_cache"].view(torch.uint8),
+                            v_cache=a["v_cache"].view(torch.uint8)),
+        "indices strides": dict(a, logical_indices=wide[:, :41]),
+        "indices shape (topk)": dict(a, logical_indices=torch.zeros(3, 57, dtype=torch.int32)),
+        "block_table shape": dict(a, block_table=torch.zeros(4, 6, dtype=torch.int32)),
+        "token_to_req strides": dict(a, token_to_req=_strided(a["token_to_req"], 0)),
+        "out strides": dict(a, out=_strided(a["out"], 1)),
+        "softmax_scale": dict(a, softmax_scale=1.0),
+        "softmax_scale type": dict(a, softmax_scale=1),  # == 1.0, cached just before
+        "output_scale": dict(a, output_scale=2.0),
+        "output_scale type": dict(a, output_scale=1),  # == the base's 1.0
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fn", [qsa.qsa_sparse_paged_decode, qsa.qsa_sparse_paged_attention], ids=["decode", "attn"]
+)
+def test_qsa_repeat_replays_and_each_change_misses(qsa_stub, fn):
+    stub, base = qsa_stub, qsa_args()
+    assert stub.runs(lambda: fn(**base)) == 1
+    first = stub.launches[:]
+    assert stub.runs(lambda: fn(**qsa_args())) == 0
+    # The replay's launches match the full path's, with the new call's addresses.
+    assert [launch[:2] + launch[3:] for launch in stub.launches[len(first) :]] == [
+        launch[:2] + launch[3:] for launch in first
+    ]
+    for name, args in _qsa_variants(base).items():
+        assert stub.runs(lambda args=args: fn(**args)) == 1, name
+        assert stub.runs(lambda args=args: fn(**args)) == 0, name
+    other = qsa.qsa_sparse_paged_attention if fn is qsa.qsa_sparse_paged_decode else fn
+    if other is not fn:  # the dispatch flag is part of the key
+        assert stub.runs(lambda: other(**base)) == 1
+
+
+def test_qsa_changes_the_checks_refuse_miss(qsa_stub, monkeypatch):
+    stub, base = qsa_stub, qsa_args()
+    qsa.qsa_sparse_paged_decode(**dict(base, output_scale=1))
+    bad = {
+        "output_scale bool": (dict(base, output_scale=True), ValueError),
+        "softmax_scale nan": (dict(base, softmax_scale=math.nan), ValueError),
+        "gate dtype": (dict(base, output_gate=base["output_gate"].float()), TypeError),
+        "out device": (dict(base, out=fake_cuda(base["out"])), ValueError),
+    }
+    qsa.qsa_sparse_paged_decode(**base)
+    for args, exc in bad.values():
+        with pytest.raises(exc):
+            qsa.qsa_sparse_paged_decode(**args)
+    monkeypatch.setattr(qsa, "SINGLE_PASS_128", (4, 4, 3, 2))  # an opt-in flip
+    assert stub.runs(lambda: qsa.qsa_sparse_paged_decode(**base)) == 1
+    for name in SWITCHES:
+        monkeypatch.setenv(name, "1")
+        assert stub.runs(lambda: qsa.qsa_sparse_paged_decode(**base)) == 1, name
+        monkeypatch.delenv(name)
+    assert stub.runs(lambda: qsa.qsa_sparse_paged_decode(**base)) == 0
+
+
+def test_qsa_misaligned_replay_takes_the_full_path(qsa_stub):
+    stub, base = qsa_stub, qsa_args()
+    qsa.qsa_sparse_paged_decode(**base)
+    out = torch.zeros(3 * 8 * 64 + 1, dtype=torch.bfloat16)[1:].view(3, 8, 64)  # 2 bytes off
+    with pytest.raises(ValueError, match="16-byte aligned"):  # stubbed _impl has no refusal
+        qsa.qsa_sparse_paged_decode(**dict(base, out=out))
+    assert len(stub.full) == 2
+
+
+# -- concat ---------------------------------------------------------------------------------------
+def concat_args(tokens=4, heads=2, pe_stride=64):
+    return dict(
+        kv_nope=torch.zeros(tokens, heads, 256, dtype=torch.bfloat16),
+        k_pe=torch.zeros(tokens, pe_stride, dtype=torch.bfloat16)[:, :64],
+        key=torch.empty(tokens, heads, 192, dtype=E4M3),
+        value=torch.empty(tokens, heads, 128, dtype=E4M3),
+    )
+
+
+@pytest.fixture
+def concat_stub(stub, monkeypatch):
+    kernel = FakeKernel(stub.launches)
+    monkeypatch.setattr(KernelFamily, "get", lambda self, params, device: kernel)
+    monkeypatch.setattr(mkp, "cuda_device_index", lambda t: 0)
+    monkeypatch.setattr(mkp, "current_stream", lambda device: 0)
+    monkeypatch.setattr(mkp, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(mkp, "_fused_refusal", lambda *a: None)
+
+    def impl(kv_nope, k_pe, key, value, nope_dim, backend):  # without the CUDA-device test
+        stub.full.append(backend)
+        return mkp._run_fused(backend, kv_nope, k_pe, key, value)
+
+    monkeypatch.setattr(mkp, "_concat_impl", impl)
+    monkeypatch.setattr(mkp, "_replays", PlanCache())
+    return stub
+
+
+def test_concat_repeat_replays_and_each_change_misses(concat_stub):
+    stub, base = concat_stub, concat_args()
+    op = mkp.concat_mla_kv_quant_fp8
+    assert stub.runs(lambda: op(**base)) == 1
+    assert stub.runs(lambda: op(**concat_args())) == 0
+    assert stub.runs(lambda: op(base["kv_nope"], base["k_pe"])) == 1  # allocating: no replay
+    variants = {
+        "k_pe strides": dict(base, k_pe=concat_args(pe_stride=576)["k_pe"]),
+        "tokens": concat_args(tokens=5),
+        "backend": dict(base, backend="specialized"),
+    }
+    for name, args in variants.items():
+        assert stub.runs(lambda args=args: op(**args)) == 1, name
+        assert stub.runs(lambda args=args: op(**args)) == 0, name
+    with pytest.raises(ValueError, match="value is on"):
+        op(**dict(base, value=fake_cuda(base["value"])))
+    with pytest.raises(TypeError, match="key must be"):
+        op(**dict(base, key=base["key"].view(torch.uint8)))
