@@ -91,8 +91,9 @@ _logits_family = kernel_family(
 # to compare variants; stages 0 means "as many as fit" for the ring kernel. `portable`
 # (mma.sync on widened fragments, the sm_100a/sm_103a code path) is never chosen on
 # sm_90a: it exists so the H200 tests cover what the other arches run. A 4-tuple turns
-# the TMA kernel off; ("tma", warpgroups, stages, producers, probe) forces that kernel's
-# config (stages 0: as many as fit; probe: stream the tiles only, write nothing).
+# the TMA kernel off; ("tma", warpgroups, stages, producers, qbuf, probe) forces that
+# kernel's config (stages 0: as many as fit; probe 1/2/3: the benchmark's timing probes,
+# see templates/mqa_logits_tma.cuh; they write no valid logits).
 _config_override: tuple | None = None
 _force_generic = False  # tests and the benchmark: always use the generic kernel
 
@@ -167,13 +168,16 @@ def _tma_plan(geometry, dtypes, device: int) -> tuple:
     _, next_n, heads, dim, block_size = geometry
     n = next_n * heads
     if _config_override is not None:
-        _, warpgroups, stages, producers, probe = _config_override
-        stages = stages or tma_stages(n, warpgroups, producers)
+        _, warpgroups, stages, producers, qbuf, probe = _config_override
+        stages = stages or tma_stages(n, warpgroups, producers, qbuf)
+        if stages < warpgroups:
+            raise KernelUnavailable(f"forced TMA config {_config_override}: no ring stage fits")
     else:
-        (warpgroups, stages, producers), probe = tma_config(n), False
-    params = (next_n, heads, dim, block_size, *dtypes, warpgroups, stages, producers, probe)
+        (warpgroups, stages, producers, qbuf), probe = tma_config(n), 0
+    config = (warpgroups, stages, producers, qbuf, probe)
+    params = (next_n, heads, dim, block_size, *dtypes, *config)
     kernel = tma_family.get(params, device)
-    smem = tma_smem_bytes(n, warpgroups, stages)
+    smem = tma_smem_bytes(n, warpgroups, stages, qbuf)
     threads = tma_threads(warpgroups, producers)
 
     def kv_map(kv_ptr: int, kv_fused) -> tuple[bytes]:
@@ -249,7 +253,7 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
         dtypes = (dtype[out_dt], dtype[epi_dt], dtype[acc_dt])
         specs.add(_logits_family.spec(_params(*geometry, *dtypes)))
         if geometry[2] == TMA_DIM:  # sm_90a's kernel (the spec names its arch)
-            specs.add(tma_family.spec((*geometry, *dtypes, *tma_config(next_n * heads), False)))
+            specs.add(tma_family.spec((*geometry, *dtypes, *tma_config(next_n * heads), 0)))
     return sorted(specs, key=str)
 
 

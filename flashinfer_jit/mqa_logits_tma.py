@@ -18,7 +18,6 @@ from .mqa_logits_checks import SMEM_LIMIT, STATIC_SMEM, TILE, reg_cap
 
 TMA_DIM = 128  # head_dim the kernel is specialized for (one 128-byte swizzle row per token)
 TMA_MAX_STAGES = 24
-TMA_PRODUCERS = 1  # producer warps (each issues every PRODUCERS-th tile's copies)
 _VALUES = TILE * TMA_DIM  # fp8 bytes of one 64-token tile
 
 tma_family = kernel_family(
@@ -36,6 +35,7 @@ tma_family = kernel_family(
         "warpgroups",
         "stages",
         "producers",
+        "qbuf",
         "probe",
     ),
     ("P", "P", "P", "P", "q", "P", "q", "P", "P", "q", "i", "M"),
@@ -44,21 +44,22 @@ tma_family = kernel_family(
 
 
 def tma_regs(n: int) -> int:
-    """Registers a consumer thread needs: f32 accumulators + ~48 of addressing and epilogue."""
-    return n // 2 + 48
+    """Registers a consumer thread needs: f32 accumulators + ~32 of addressing and epilogue
+    (ptxas on sm_90a: 72 at n=64, 94 at n=128, 134 at n=192 with room to spare)."""
+    return n // 2 + 32
 
 
-def tma_smem_bytes(n: int, warpgroups: int, stages: int) -> int:
+def tma_smem_bytes(n: int, warpgroups: int, stages: int, qbuf: int) -> int:
     """Dynamic shared memory (TmaLayout in the template, + 1024 bytes of alignment slack):
-    per stage the tile's values, scales, descriptor and two mbarriers; per warpgroup two
-    Q buffers and two weight buffers."""
-    return stages * (_VALUES + TILE * 4 + 32) + warpgroups * 2 * (n * TMA_DIM + n * 4) + 1024
+    per stage the tile's values, scales, descriptor and two mbarriers; per warpgroup
+    ``qbuf`` Q buffers and weight buffers."""
+    return stages * (_VALUES + TILE * 4 + 32) + warpgroups * qbuf * (n * TMA_DIM + n * 4) + 1024
 
 
-def tma_stages(n: int, warpgroups: int, producers: int = TMA_PRODUCERS) -> int:
+def tma_stages(n: int, warpgroups: int, producers: int, qbuf: int) -> int:
     """The most stages (a multiple of the warpgroups and of the producer warps, capped)
     that fit beside the Q buffers."""
-    free = SMEM_LIMIT - STATIC_SMEM - tma_smem_bytes(n, warpgroups, 0)
+    free = SMEM_LIMIT - STATIC_SMEM - tma_smem_bytes(n, warpgroups, 0, qbuf)
     stages = max(0, min(TMA_MAX_STAGES, free // (_VALUES + TILE * 4 + 32)))
     unit = math.lcm(warpgroups, producers)
     return stages // unit * unit
@@ -68,14 +69,24 @@ def tma_threads(warpgroups: int, producers: int) -> int:
     return 128 * warpgroups + 32 * producers
 
 
-def tma_config(n: int) -> tuple[int, int, int]:
-    """(warpgroups, stages, producers): the most consumer warpgroups (at most 4) whose
-    accumulators fit the register cap of the block, with at least 4 ring stages."""
+def tma_config(n: int) -> tuple[int, int, int, int]:
+    """(warpgroups, stages, producers, qbuf) for next_n*num_heads = n.
+
+    Measured on the H200 (tools/bench_mqa_logits.py --sweep): consumers are latency-bound,
+    so the most warpgroups (at most 4) whose accumulators fit the block's register cap;
+    one producer warp per warpgroup (warp p feeds warpgroup p, so one slow warpgroup does
+    not hold up the others' stages); two Q buffers (prefetch) while that leaves at least
+    2 ring stages per warpgroup (n=128: 83.7 vs 88.0 us with one buffer and 4 stages per
+    warpgroup at B=256, next_n=2), else one.
+    """
     for warpgroups in (4, 3, 2, 1):
-        stages = tma_stages(n, warpgroups)
-        cap = reg_cap(tma_threads(warpgroups, TMA_PRODUCERS))
-        if tma_regs(n) <= cap and stages >= max(4, warpgroups):
-            return warpgroups, stages, TMA_PRODUCERS
+        producers = warpgroups
+        if tma_regs(n) > reg_cap(tma_threads(warpgroups, producers)):
+            continue
+        for qbuf in (2, 1):
+            stages = tma_stages(n, warpgroups, producers, qbuf)
+            if stages >= 2 * warpgroups:
+                return warpgroups, stages, producers, qbuf
     raise KernelUnavailable(f"next_n*num_heads={n} does not fit the TMA kernel")
 
 

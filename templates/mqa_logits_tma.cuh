@@ -7,13 +7,16 @@
 //     fused pool viewed as [num_blocks][block_size][128] bytes, 128-byte swizzle), which
 //     lays the rows out as wgmma's K-major SW128 operand; the tile's fp32 scales follow
 //     with a plain bulk copy. Same ring, barriers and tile order as mqa_logits_ring.cuh.
-//   * Q: each consumer warpgroup keeps two SW128 Q buffers (+ weights). When it starts a
-//     request it prefetches the next request's Q with cp.async into the other buffer, so
-//     a request change costs a barrier, not a global-memory round trip.
+//   * Q: each consumer warpgroup keeps QBUF SW128 Q buffers (+ weights). With two, when it
+//     starts a request it prefetches the next request's Q with cp.async into the other
+//     buffer, so a request change costs a barrier, not a global-memory round trip; with
+//     one (large next_n*num_heads, where shared memory is better spent on ring stages) it
+//     loads Q when the request changes.
 //   * Per tile: S^T = K_tile . Q^T with wgmma m64nNk32 (A and B descriptors), then the
 //     epilogue of mqa_logits_tile.cuh (ReLU, weights, head sum in-thread, scale, store).
-// PROBE (benchmark only) makes consumers release each stage untouched: the time of the
-// streaming alone.
+// PROBE (benchmark only) leaves out parts to time the rest: 1 = consumers release each
+// stage untouched (the streaming alone), 2 = no epilogue (stream + MMA), 3 = no MMA
+// (stream + epilogue on unset accumulators). 0 is the kernel.
 #pragma once
 #include "mqa_logits_ring.cuh"
 
@@ -49,17 +52,17 @@ __device__ __forceinline__ unsigned long long sw128_desc(unsigned addr) {
          (1ull << 62);
 }
 
-// Shared memory (bytes from a 1024-aligned base): value stages, two Q buffers per consumer
-// warpgroup, scales, two weight buffers per warpgroup, tile descriptors, mbarriers. The
+// Shared memory (bytes from a 1024-aligned base): value stages, QBUF Q buffers per consumer
+// warpgroup, scales, QBUF weight buffers per warpgroup, tile descriptors, mbarriers. The
 // host adds 1024 bytes of slack for the alignment. Mirrored by tma_smem_bytes in
-// flashinfer_jit/mqa_logits_checks.py.
-template <int N, int WGS, int STAGES>
+// flashinfer_jit/mqa_logits_tma.py.
+template <int N, int WGS, int STAGES, int QBUF>
 struct TmaLayout {
   static constexpr int kVals = kTile * 128;
   static constexpr int kQ = STAGES * kVals;
-  static constexpr int kScales = kQ + WGS * 2 * N * 128;
+  static constexpr int kScales = kQ + WGS * QBUF * N * 128;
   static constexpr int kW = kScales + STAGES * kTile * 4;
-  static constexpr int kMeta = kW + WGS * 2 * N * 4;
+  static constexpr int kMeta = kW + WGS * QBUF * N * 4;
   static constexpr int kBars = kMeta + STAGES * 16;
   static constexpr int kBytes = kBars + STAGES * 16;
 };
@@ -106,6 +109,7 @@ __device__ __forceinline__ void issue_q(const unsigned char* __restrict__ q, con
   for (int n = tid; n < N; n += 128) cp_async_4(wdst + 4 * n, weights + (long long)b * N + n);
 }
 
+// wgmma over accumulator columns [N0, N) in chunks of 256/128/.../8.
 template <int N, bool F16ACC, int N0 = 0, typename T>
 __device__ __forceinline__ void wgmma_ss_chunks(T* acc, unsigned long long da, unsigned long long db, int scale_d) {
   if constexpr (N0 < N) {
@@ -117,7 +121,7 @@ __device__ __forceinline__ void wgmma_ss_chunks(T* acc, unsigned long long da, u
 }
 
 template <int NEXT_N, int HEADS, int DIM, int BLOCK, typename OutT, typename EpiT, typename AccT, int WGS, int STAGES,
-          int PRODUCERS, bool PROBE>
+          int PRODUCERS, int QBUF, int PROBE>
 __global__ void __maxnreg__(reg_cap(WGS * 128 + 32 * PRODUCERS))
 paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS, 128] e4m3, contiguous
                      const unsigned char* __restrict__ kv,      // [num_blocks, BLOCK * 132] fused pool
@@ -130,7 +134,8 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   constexpr int N = NEXT_N * HEADS;
   constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
   constexpr int ACC_WORDS = F16ACC ? N / 4 : N / 2;
-  using L = TmaLayout<N, WGS, STAGES>;
+  using L = TmaLayout<N, WGS, STAGES, QBUF>;
+  static_assert(QBUF == 1 || QBUF == 2, "one or two Q buffers per warpgroup");
   static_assert(DIM == 128, "the TMA kernel is specialized for head_dim 128 (one 128-byte swizzle row)");
   static_assert(N % 8 == 0 && N <= 256 && HEADS % 4 == 0, "unsupported geometry");
   static_assert(BLOCK == 32 || BLOCK == 64 || BLOCK == 128, "block size");
@@ -161,17 +166,19 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
   const unsigned bar_id = 1 + wg;
-  const unsigned qaddr0 = base + L::kQ + wg * 2 * (N * 128), waddr0 = base + L::kW + wg * 2 * (N * 4);
+  const unsigned qaddr0 = base + L::kQ + wg * QBUF * (N * 128), waddr0 = base + L::kW + wg * QBUF * (N * 4);
   constexpr bool WREG = N / 2 + N / 4 + 48 <= reg_cap(WGS * 128 + 32 * PRODUCERS);
   WeightsReg<WREG ? N : 8> wreg;
-  int q_b = -1, pf_b = -1, cur = 1;  // current request, prefetched request, current buffer
+  int q_b = -1, pf_b = -1, cur = QBUF - 1;  // current request, prefetched request, current buffer
 
-  // Make request b current: its Q (prefetched, or loaded now) in buffer cur ^ 1, then
-  // prefetch the next request that has tiles into the buffer just left.
+  // Make request b current: its Q (prefetched, or loaded now) in the next buffer, then with
+  // two buffers prefetch the next request that has tiles into the buffer just left.
   auto switch_to = [&](int b) {
-    const int nxt = cur ^ 1;
+    const int nxt = QBUF == 2 ? cur ^ 1 : 0;
     if (b != pf_b) {
       cp_async_wait_all();  // a stale prefetch may still be landing in that buffer
+      // One buffer: every warp must be done with the previous request's weights first.
+      if constexpr (QBUF == 1) asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
       issue_q<N>(q, weights, b, qaddr0 + nxt * (N * 128), waddr0 + nxt * (N * 4), tid);
     }
     cp_async_wait_all();
@@ -179,15 +186,16 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
     cur = nxt;
     q_b = b;
-    const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) + (wg * 2 + cur) * N;
+    const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) + (wg * QBUF + cur) * N;
     if constexpr (WREG) wreg.load(wbuf, tig);
+    if constexpr (QBUF == 1) return;
     int nb = b + 1;
     for (int k = 0; k < 8 && nb < batch && seq_lens[nb * sl_stride] <= 0; ++k) ++nb;
     pf_b = nb < batch && seq_lens[nb * sl_stride] > 0 ? nb : -1;
     if (pf_b >= 0) issue_q<N>(q, weights, pf_b, qaddr0 + (cur ^ 1) * (N * 128), waddr0 + (cur ^ 1) * (N * 4), tid);
   };
 
-  if (!PROBE && wg < len) {  // the first tile's Q loads while its KV streams in
+  if (PROBE != 1 && wg < len) {  // the first tile's Q loads while its KV streams in
     int b = sched[0], t = sched[1] + wg;
     int seq = b < batch ? max(0, seq_lens[b * sl_stride]) : 0;
     skip_empty(b, t, seq, seq_lens, sl_stride, batch);
@@ -196,40 +204,56 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
       pf_b = b;
     }
   }
-  for (int i = wg; i < len; i += WGS) {
-    const int s = i % STAGES;
-    mbar_wait(full0 + 8 * s, (i / STAGES) & 1);
-    const int4 m = meta[s];
-    if (PROBE || m.x >= batch) {  // the probe, or padding of an inconsistent caller schedule
-      release_stage(empty0 + 8 * s);
-      continue;
-    }
-    if (m.x != q_b) switch_to(m.x);
+  // The MMA of the tile in stage s into acc (asynchronous: committed, not waited for).
+  auto issue_mma = [&](int s, unsigned (&acc)[ACC_WORDS]) {
     const unsigned long long da = sw128_desc(base + s * L::kVals);
     const unsigned long long db = sw128_desc(qaddr0 + cur * (N * 128));
-    unsigned acc_u[ACC_WORDS];  // not cleared: the first k step does not read it (scale_d = 0)
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-    for (int k = 0; k < DIM / 32; ++k) {
-      if constexpr (F16ACC)
-        wgmma_ss_chunks<N, true>(acc_u, da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
+    for (int k = 0; k < DIM / 32; ++k) {  // acc is not cleared: k = 0 does not read it
+      if constexpr (PROBE == 3)
+        break;
+      else if constexpr (F16ACC)
+        wgmma_ss_chunks<N, true>(acc, da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
       else
-        wgmma_ss_chunks<N, false>(reinterpret_cast<float*>(acc_u), da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
+        wgmma_ss_chunks<N, false>(reinterpret_cast<float*>(acc), da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  };
+  // Tile (stage s, descriptor m) once its MMA is done: release the stage, epilogue.
+  auto finish = [&](int s, int4 m, unsigned (&acc)[ACC_WORDS]) {
     const float* scales = reinterpret_cast<const float*>(smem + L::kScales) + s * kTile;
     const float sc0 = scales[warp * 16 + g], sc1 = scales[warp * 16 + g + 8];
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
-    for (int w = 0; w < ACC_WORDS; ++w) asm volatile("" : "+r"(acc_u[w])::"memory");  // read after the wait
+    for (int w = 0; w < ACC_WORDS; ++w) asm volatile("" : "+r"(acc[w])::"memory");  // read after the wait
     release_stage(empty0 + 8 * s);
-    if constexpr (WREG)
-      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc_u, wreg, sc0, sc1, m.x, m.y, m.z, out, out_stride, warp, g,
-                                                  tig);
-    else
-      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(
-          acc_u, WeightsSmem{reinterpret_cast<const float*>(smem + L::kW) + (wg * 2 + cur) * N + 2 * tig}, sc0, sc1,
-          m.x, m.y, m.z, out, out_stride, warp, g, tig);
+    if constexpr (PROBE == 2) {  // keep the accumulators alive without an epilogue
+      if (acc[0] == 0x7fc00001u && m.x < 0) out[0] = OutT{};
+    } else if constexpr (WREG) {
+      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, wreg, sc0, sc1, m.x, m.y, m.z, out, out_stride, warp, g, tig);
+    } else {
+      const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) + (wg * QBUF + cur) * N + 2 * tig;
+      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, WeightsSmem{wbuf}, sc0, sc1, m.x, m.y, m.z, out, out_stride,
+                                                  warp, g, tig);
+    }
+  };
+  // Waits for tile i and returns its descriptor (m.x >= batch: padding, already released).
+  auto arrive = [&](int i) {
+    const int s = i % STAGES;
+    mbar_wait(full0 + 8 * s, (i / STAGES) & 1);
+    const int4 m = meta[s];
+    if (PROBE == 1 || m.x >= batch) release_stage(empty0 + 8 * s);  // the probe, or padding
+    return PROBE == 1 ? make_int4(batch, 0, 0, 0) : m;
+  };
+
+  for (int i = wg; i < len; i += WGS) {
+    const int4 m = arrive(i);
+    if (m.x >= batch) continue;
+    if (m.x != q_b) switch_to(m.x);
+    unsigned acc[ACC_WORDS];
+    issue_mma(i % STAGES, acc);
+    finish(i % STAGES, m, acc);
   }
   cp_async_wait_all();  // no cp.async may outlive the block
 }

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashinfer_jit.mqa_logits as mq  # noqa: E402
+from flashinfer_jit.mqa_logits_tma import tma_config  # noqa: E402
 from jit_kernels import KernelUnavailable  # noqa: E402
 
 BW = 4.24e12  # measured device-to-device copy bandwidth (bytes read + written per second)
@@ -42,33 +43,29 @@ ROWS = [  # B, next_n, H, L, DeepGEMM us, target us (eager), target us (graph re
     (128, 4, 32, 16384, None, 85, None),
 ]
 # Variants: None = the dispatcher's choice (on sm_90 the TMA kernel); ("tma", warpgroups,
-# stages, producer warps, probe) the TMA kernel forced (stages 0 = as many as fit; probe =
-# stream the tiles only, no math, no output: the streaming time alone); (warpgroups, stages,
-# portable, ring) the ring/direct kernels of mqa_logits.cuh; "generic" the runtime-
-# geometry fallback kernel.
+# stages, producer warps, Q buffers, probe) the TMA kernel forced (stages 0 = as many as
+# fit; probe 1 = stream the tiles only, 2 = stream + MMA, 3 = stream + epilogue, no valid
+# output: what each part costs); ("auto", probe) = the dispatcher's TMA config as a probe;
+# (warpgroups, stages, portable, ring) the ring/direct kernels of mqa_logits.cuh;
+# "generic" the runtime-geometry fallback kernel.
 VARIANTS = [
     None,
-    ("tma", 1, 0, 1, False),
-    ("tma", 2, 0, 2, False),
-    ("tma", 3, 0, 1, False),
-    ("tma", 4, 0, 4, False),
-    ("tma", 2, 0, 1, True),
-    ("tma", 2, 0, 4, True),
+    ("tma", 2, 0, 2, 2, 0),
+    ("tma", 4, 0, 4, 1, 0),
+    ("tma", 2, 0, 2, 2, 1),
     (2, 0, False, True),
     (3, 0, False, True),
     (4, 2, False, False),  # the register-fed direct kernel (auto above head_dim ~448)
     "generic",
 ]
-LEAN_VARIANTS = [None, ("tma", 2, 0, 1, True), (3, 0, False, True), "generic"]
-# --sweep: the TMA kernel's (warpgroups, producer warps) grid and two probes, graph-timed.
+LEAN_VARIANTS = [None, ("auto", 1), (3, 0, False, True), "generic"]
+# --sweep: TMA configs and the auto config's probes, graph-timed.
 SWEEP_VARIANTS = [
     None,
-    *(
-        ("tma", w, 0, p, False)
-        for w, p in ((1, 1), (2, 1), (2, 2), (2, 4), (3, 1), (4, 1), (4, 2), (4, 4))
-    ),
-    ("tma", 2, 0, 1, True),
-    ("tma", 2, 0, 4, True),
+    ("auto", 1),
+    ("auto", 2),
+    ("auto", 3),
+    *(("tma", w, 0, w, qb, 0) for w, qb in ((2, 1), (3, 1), (4, 1), (4, 2))),
 ]
 BLOCK_ROWS = {(256, 1, 64, 8192), (128, 3, 64, 16384)}  # rows compared at blocks 32/128
 
@@ -76,8 +73,11 @@ BLOCK_ROWS = {(256, 1, 64, 8192), (128, 3, 64, 16384)}  # rows compared at block
 def vname(v) -> str:
     if v is None or v == "generic":
         return v or "auto"
+    if v[0] == "auto":
+        return f"auto-probe{v[1]}"
     if v[0] == "tma":
-        return f"{'probe' if v[4] else 'tma'}{v[1]}x{v[2] or 'max'}p{v[3]}"
+        kind = f"probe{v[5]}-" if v[5] else "tma"
+        return f"{kind}{v[1]}x{v[2] or 'max'}p{v[3]}q{v[4]}"
     kind = "ring" if v[3] else "direct"
     return f"{kind}{'-mma' if v[2] else ''}{v[0]}x{v[1] or 'max'}"
 
@@ -197,17 +197,24 @@ def run_row(batch, next_n, heads, length, block, reps, variants, gen, graph=Fals
     results = {}
     for v in variants:
         mq._config_override, mq._force_generic = (None, True) if v == "generic" else (v, False)
+        if isinstance(v, tuple) and v[0] == "auto":  # the dispatcher's TMA config, as a probe
+            mq._config_override = ("tma", *tma_config(next_n * heads), v[1])
         try:
-            if isinstance(v, tuple) and v[0] != "tma":  # a forced config that cannot fit
+            if isinstance(v, tuple) and v[0] not in (
+                "tma",
+                "auto",
+            ):  # a forced config that cannot fit
                 f32 = torch.float32
                 mq._params(next_n, heads, D, block, f32, f32, f32)
             q, kv, w, table, lens = sets[0]
             mq._plans.clear()
+            mq._replays.clear()
             logits = mq.fp8_paged_mqa_logits(q, kv, w, table, lens, length)
             served = next(iter(mq._plans.values()))[0].name
-            if v is not None and v[0] == "tma" and "mqa_logits_tma" not in served:
+            forced = mq._config_override
+            if forced is not None and forced[0] == "tma" and "mqa_logits_tma" not in served:
                 raise KernelUnavailable(f"the TMA kernel did not serve ({served})")
-            if not (isinstance(v, tuple) and v[0] == "tma" and v[4]):  # probes write nothing
+            if not (forced is not None and forced[0] == "tma" and forced[5]):  # probes: no logits
                 check(logits, q, kv, w, table, lens)
             timer = time_graph if graph else time_eager
             results[vname(v)] = timer(sets, length, reps)
@@ -226,7 +233,7 @@ def run_row(batch, next_n, heads, length, block, reps, variants, gen, graph=Fals
 # The streaming probe's knobs: (warpgroups, stages, producer warps).
 PROBES = [
     None,
-    *(("tma", 2, s, p, True) for s in (8, 16, 0) for p in (1, 4)),
+    *(("tma", 2, s, p, 2, 1) for s in (8, 16, 0) for p in (1, 2)),
 ]
 
 

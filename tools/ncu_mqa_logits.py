@@ -7,7 +7,7 @@
 
 The first call compiles/loads and warms up (skipped by --launch-skip 1); the second is
 the profiled launch. --variant forces (warpgroups, stages, portable, ring) as the
-benchmark's variants do, e.g. 4,2,0,0 for the direct kernel, or tma,W,S,PRODUCERS,PROBE.
+benchmark's variants do, e.g. 4,2,0,0 for the direct kernel, or tma,W,S,PRODUCERS,QBUF,PROBE.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ def main() -> None:
     parser.add_argument(
         "--variant",
         default=None,
-        help="W,S,PORTABLE,RING or tma,W,S,PRODUCERS,PROBE (default: auto)",
+        help="W,S,PORTABLE,RING or tma,W,S,PRODUCERS,QBUF,PROBE (default: auto)",
     )
     args = parser.parse_args()
     if args.variant and args.variant.startswith("tma,"):
-        w, s, producers, p = (int(x) for x in args.variant.split(",")[1:])
-        mq._config_override = ("tma", w, s, producers, bool(p))
+        w, s, producers, qbuf, p = (int(x) for x in args.variant.split(",")[1:])
+        mq._config_override = ("tma", w, s, producers, qbuf, p)
     elif args.variant:
         w, s, p, r = (int(x) for x in args.variant.split(","))
         mq._config_override = (w, s, bool(p), bool(r))
