@@ -9,18 +9,63 @@ same ``run``.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
+
 import torch
 
 from jit_kernels import LoadedKernel, current_stream
 
 LOG2E = 1.4426950408889634  # the decode takes softmax_scale * log2(e) (it uses exp2)
+_smem_allowed: dict[int, int] = {}  # id(kernel) -> dynamic smem bytes allowed (launch_pdl)
+
+
+def launch_pdl(
+    kernel: LoadedKernel,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    stream: int,
+    args: Sequence,
+    smem: int = 0,
+) -> None:
+    """``kernel.launch`` as a programmatic dependent launch: the grid may be scheduled while
+    the stream's previous kernel finishes; every QSA kernel waits for that kernel's results
+    (griddepcontrol.wait) before its first global access. The opt-in ``qsa.PDL``: it builds
+    a CUlaunchConfig per call (host cost), which the engine's launch would cache on
+    adoption."""
+    from cuda.bindings import driver
+
+    if smem > 48 * 1024 and _smem_allowed.get(id(kernel), 0) < smem:
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        (err,) = driver.cuFuncSetAttribute(kernel.function, attr, smem)
+        if int(err):
+            raise RuntimeError(f"{kernel.name}: dynamic shared memory {smem}: {err!r}")
+        _smem_allowed[id(kernel)] = smem
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes, config.hStream = smem, driver.CUstream(stream)
+    config.attrs, config.numAttrs = [attribute], 1
+    (err,) = driver.cuLaunchKernelEx(config, kernel.function, kernel.packer.pack(args), 0)
+    if int(err):
+        raise RuntimeError(f"launching {kernel.name} (programmatic) failed: {err!r}")
+
+
+def _launcher(kernel: LoadedKernel, pdl: bool) -> Callable:
+    return functools.partial(launch_pdl, kernel) if pdl else kernel.launch
 
 
 class SlotPass:
-    """The slot pass of one call's metadata: [rows, columns] int32 packed slots, -1 masked
-    (``kernel`` None: no columns, nothing to launch)."""
+    """The slot pass of one call's metadata: [rows, columns] int32 packed slots, -1 masked,
+    followed (``order``: for the single pass) by the rows in the order the decode takes them
+    (``kernel`` None: no columns and no order, nothing to launch)."""
 
-    __slots__ = ("kernel", "grid", "block", "shape", "device", "idx", "table", "t2r", "tail")
+    __slots__ = (
+        *("kernel", "launch", "grid", "block", "size", "device", "idx", "table", "t2r", "tail"),
+    )
 
     def __init__(
         self,
@@ -33,9 +78,13 @@ class SlotPass:
         token_to_req: torch.Tensor,
         num_blocks: int,
         offset_bits: int,
+        order: bool,
+        pdl: bool,
     ):
         self.kernel, self.grid, self.block = kernel, grid, block
-        self.shape, self.device = (logical_indices.shape[0], columns), logical_indices.device
+        self.launch = None if kernel is None else _launcher(kernel, pdl)
+        rows = logical_indices.shape[0]
+        self.size, self.device = rows * columns + rows * order, logical_indices.device
         self.idx, self.table = logical_indices.stride(), block_table.stride()
         self.t2r = token_to_req.stride(0)
         topk = logical_indices.shape[1] - 1
@@ -49,24 +98,25 @@ class SlotPass:
         )
 
     def run(self, idx_ptr: int, table_ptr: int, t2r_ptr: int, stream: int) -> torch.Tensor:
-        # sizes as separate arguments: ~0.3 us faster than a tuple (timeit, CPU)
-        slots = torch.empty(*self.shape, dtype=torch.int32, device=self.device)
+        """Launch on ``stream``; returns the flat buffer (slots, then the order)."""
+        slots = torch.empty(self.size, dtype=torch.int32, device=self.device)
         if self.kernel is not None:
             args = (
                 idx_ptr, *self.idx, table_ptr, *self.table, t2r_ptr, self.t2r, slots.data_ptr(),
                 *self.tail,
             )  # fmt: skip
-            self.kernel.launch(self.grid, self.block, stream, args)
+            self.launch(self.grid, self.block, stream, args)
         return slots
 
 
 class DecodeLaunch:
     """One decode launch (after its slot pass, if any) with everything but the tensors'
-    addresses and the scales fixed by their metadata."""
+    addresses and the scales fixed by their metadata. ``kv_gap``: 0, or (bulk copies) the
+    byte distance from k_cache to v_cache that the kernel relies on."""
 
     __slots__ = (
         *("kernel", "grid", "block", "smem", "device", "slot_pass", "q", "k", "v", "columns"),
-        *("counts", "idx", "out", "gate", "idx_column", "table", "tail"),
+        *("counts", "idx", "out", "gate", "idx_column", "table", "tail", "kv_gap", "launch"),
     )
 
     def __init__(
@@ -87,9 +137,12 @@ class DecodeLaunch:
         token_to_req: torch.Tensor,
         out: torch.Tensor,
         output_gate: torch.Tensor,
+        kv_gap: int,
+        pdl: bool,
     ):
         self.kernel, self.grid, self.block, self.smem = kernel, grid, block, smem
         self.device, self.slot_pass, self.columns = device, slot_pass, columns
+        self.kv_gap, self.launch = kv_gap, _launcher(kernel, pdl)
         num_blocks, page_size, num_kv_heads, _ = k_cache.shape
         topk = logical_indices.shape[1] - 1
         # byte strides (e4m3: 1 B) of the caches; the count is the indices' last column
@@ -116,10 +169,13 @@ class DecodeLaunch:
     ) -> bool:
         """Launch for these tensors (this launch's metadata) on the current stream; False,
         with nothing launched, when q, the caches, out or output_gate is not 16-byte aligned
-        (the only requirement of the kernels that the metadata does not fix)."""
+        or (bulk copies) v_cache does not follow k_cache by ``kv_gap`` bytes: the kernels'
+        requirements that the metadata does not fix."""
         q_ptr, k_ptr, v_ptr = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
         out_ptr, gate_ptr = out.data_ptr(), output_gate.data_ptr()
         if (q_ptr | k_ptr | v_ptr | out_ptr | gate_ptr) & 15:
+            return False
+        if self.kv_gap and v_ptr - k_ptr != self.kv_gap:
             return False
         idx_ptr, table_ptr = logical_indices.data_ptr(), block_table.data_ptr()
         t2r_ptr = token_to_req.data_ptr()
@@ -134,5 +190,5 @@ class DecodeLaunch:
             float(softmax_scale) * LOG2E, float(output_scale),
             idx_ptr, self.idx_column, table_ptr, *self.table, t2r_ptr, *self.tail,
         )  # fmt: skip
-        self.kernel.launch(self.grid, self.block, stream, args, self.smem)
+        self.launch(self.grid, self.block, stream, args, self.smem)
         return True

@@ -1,4 +1,4 @@
-// The QSA decode's body (decode_body), shared by every decode kernel of qsa_decode.cuh;
+// The QSA decode's body (decode_body), shared by the two decode kernels of qsa_decode.cuh;
 // the design is described there.
 #pragma once
 #include "qsa_bulk.cuh"
@@ -26,31 +26,27 @@ namespace fij_qsa {
       bt_col_stride, table_width, num_requests, token_to_req, t2r_stride, num_blocks, page_size
 
 // MIN_CTAS: the CTAs per SM the register allocation must allow (launch bound; 1 = none).
-// CLUSTER: 0, or the split count when the splits of a (row, kv head) form one thread
-//   block cluster and merge through distributed shared memory.
+// CLUSTER: 0 (the single pass), or the split count when the splits of a (row, kv head)
+//   form one thread block cluster and merge through distributed shared memory.
 // SLOT_CAP: 0 (slots come from the slot pass), or the most entries one CTA resolves itself
-//   from the raw selection into shared memory (the slot pass is skipped).
-// SLOT_AHEAD: how many loop iterations before its copies are issued a chunk's slot load
-//   goes out (1: the shipped design; 2..4 keep more independent slot loads in flight so
-//   an L2 round trip under load never holds up the next chunk's copies).
-// FEAT: 0 (shipped), or the opt-in kFeat* bits of qsa_bulk.cuh (the _x kernels); `order`
-//   is read with kFeatOrder only.
-template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP,
-          int SLOT_AHEAD = 1, int FEAT = 0>
-__device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS, const int* __restrict__ order) {
+//   from the raw selection into shared memory (clusters; the slot pass is skipped).
+// BULK: each token's K and V rows arrive by one 256-byte cp.async.bulk copy (D = 128; the
+//   host checks that V follows K in memory, as in the combined cache) completing on one
+//   mbarrier per warp stage; else cp.async gathers of 16-byte pieces.
+// The single pass takes its rows in the slot pass's order (longest first), issues its
+// prologue without waiting for the row's count and prefetches the gate into L2. A cluster
+// deals chunk c to split c % CLUSTER (placed without the count, so its fused index loads
+// go out with the count load) and holds the gate in registers when every thread merges at
+// most one output piece. (The H200 sweep behind these choices: flashinfer_jit/qsa_kernels.py.)
+template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP, bool BULK>
+__device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head dim");
   static_assert(GROUP >= 1 && GROUP <= 16, "group size");
   static_assert(NUM_STAGES >= 2 && NUM_STAGES <= 8, "stages (validity ring holds 8)");
-  static_assert(SLOT_AHEAD >= 1 && SLOT_AHEAD <= 4, "slot lookahead");
-  constexpr bool ORDER = FEAT & kFeatOrder, SPEC = FEAT & kFeatSpec, GATE = FEAT & kFeatGate;
-  constexpr bool BULK = FEAT & kFeatTma, KV256 = FEAT & kFeatKv256, ILV = FEAT & kFeatIlv;
-  constexpr bool QK2 = FEAT & kFeatQk2, LIN = FEAT & kFeatLin;
   static_assert(!BULK || HEAD_DIM == 128, "bulk stages are laid out for D = 128");
-  static_assert(!KV256 || BULK, "256-byte copies are bulk copies");
-  static_assert(!ORDER || CLUSTER == 0, "row order: single pass only");
-  static_assert(!ILV || CLUSTER > 0, "interleaved chunks: split-K only");
-  static_assert(!SPEC || (SLOT_CAP == 0 && (CLUSTER == 0 || ILV)),
-                "speculative slot loads need the slot pass and chunks placed independently of the count");
+  static_assert(SLOT_CAP == 0 || CLUSTER > 0, "in-kernel slots: clusters only");
+  constexpr bool SINGLE = CLUSTER == 0;
+  constexpr int NS = SINGLE ? 1 : CLUSTER;  // splits of a (row, kv head)
   constexpr int NG = HEAD_DIM / 64;       // 64-dim groups of a K row: one 16-B piece per quad lane
   constexpr int KU = 2 * NG;              // K uint4s per thread per stage (2 tokens)
   constexpr int VW = HEAD_DIM / 32;       // V words per token per thread
@@ -75,53 +71,7 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS, const int* __
   unsigned char* const smem_bytes = reinterpret_cast<unsigned char*>(smem);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int pair_row = blockIdx.x / num_kv_heads;
-  const int kvh = blockIdx.x - pair_row * num_kv_heads;
-  int row = pair_row;
-  if constexpr (ORDER) row = __ldg(order + pair_row);
-  const int split = blockIdx.y, num_splits = CLUSTER > 0 ? CLUSTER : 1;
   uint4* const qsm = smem;  // Q fragments (Q_SMEM)
-  const long long head0 = (long long)kvh * GROUP;  // first query head of the kv head
-
-  // kFeatGate: this thread's gate pieces of the epilogue, fetched now (a cluster whose merge
-  // gives every thread at most one item keeps it in registers; otherwise into L2).
-  constexpr bool GATE_REG = GATE && CLUSTER > 0 && GROUP * PIECES <= CLUSTER * THREADS;
-  uint4 gate_pre = make_uint4(0, 0, 0, 0);
-  if constexpr (GATE) {
-    const fij::bf16_t* const grow = gate + row * gate_row + head0 * gate_head;
-    const int item0 = CLUSTER > 0 ? (int)cluster_rank() * THREADS + threadIdx.x : threadIdx.x;
-    if constexpr (GATE_REG) {
-      if (item0 < GROUP * PIECES)
-        gate_pre = __ldg(reinterpret_cast<const uint4*>(grow + (item0 / PIECES) * gate_head + 8 * (item0 % PIECES)));
-    } else {
-      for (int item = item0; item < GROUP * PIECES; item += CLUSTER > 0 ? CLUSTER * THREADS : THREADS)
-        if (item % 8 == 0) prefetch_l2(grow + (item / PIECES) * gate_head + 8 * (item % PIECES));
-    }
-  }
-
-  const int count = min(max(__ldg(counts + (long long)row * count_row_stride), 0), topk);
-  const int chunks = (count + kChunk - 1) / kChunk;
-  // This split's chunks, local index m -> chunk_of(m): a contiguous range, or (kFeatIlv)
-  // every CLUSTER-th chunk from `split`, which needs no count to place.
-  const int per_split = (chunks + num_splits - 1) / num_splits;
-  // (kFeatSpec, single pass: its only split starts at 0, which the compiler cannot know)
-  const int c_begin = ILV || (SPEC && CLUSTER == 0) ? 0 : split * per_split;
-  const int n_local = ILV ? (chunks > split ? (chunks - split + num_splits - 1) / num_splits : 0)
-                          : max(min(chunks, c_begin + per_split) - c_begin, 0);
-  auto chunk_of = [&](int m) { return ILV ? split + num_splits * m : c_begin + m; };
-
-  // ---- fused slot resolution: this CTA's entries, once, into shared memory ---------------
-  int* const slot_list = reinterpret_cast<int*>(smem_bytes + Smem::kQBytes + Smem::kStageBytes);
-  if constexpr (SLOT_CAP > 0) {
-    resolve_slot_list<THREADS, SLOT_CAP, ILV>(slot_list, chunk_of, n_local, count, topk,
-                                              indices + (long long)row * count_row_stride, idx_col_stride,
-                                              block_table, bt_row_stride, bt_col_stride, table_width, num_requests,
-                                              __ldg(token_to_req + (long long)row * t2r_stride), num_blocks,
-                                              page_size, offset_bits);
-    __syncthreads();
-  }
-
-  // ---- per-warp pipeline (its first copies go out before Q is loaded: they overlap) ----
   uint4* const wbase = smem + Q_U4 + warp * NUM_STAGES * STAGE_U4 * 32;
   const unsigned wstage = smem_u32(smem_bytes + Smem::kQBytes + warp * NUM_STAGES * SB);
   const unsigned bars = smem_u32(smem_bytes + Smem::kQBytes + Smem::kMainBytes) + warp * NUM_STAGES * 8;
@@ -134,14 +84,57 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS, const int* __
     fence_async_smem();
     __syncthreads();
   }
+  // Everything above touches shared memory only: with a programmatic dependent launch it
+  // overlaps the preceding grid.
+  grid_dependency_wait();
+  grid_dependents_launch();
+
+  const int pair_row = blockIdx.x / num_kv_heads;
+  const int kvh = blockIdx.x - pair_row * num_kv_heads;
+  int row = pair_row;  // the single pass: CTA i takes row order[i / Hkv] of the slot pass
+  if constexpr (SINGLE) row = __ldg(slots + row_order_offset(gridDim.x / num_kv_heads, slot_columns) + pair_row);
+  const int split = SINGLE ? 0 : blockIdx.y;
+  const long long head0 = (long long)kvh * GROUP;  // first query head of the kv head
+
+  // This thread's gate pieces of the epilogue, fetched now: into registers (a cluster whose
+  // merge gives every thread at most one piece), else into L2.
+  constexpr bool GATE_REG = !SINGLE && GROUP * PIECES <= CLUSTER * THREADS;
+  uint4 gate_pre = make_uint4(0, 0, 0, 0);
+  {
+    const fij::bf16_t* const grow = gate + row * gate_row + head0 * gate_head;
+    const int item0 = SINGLE ? threadIdx.x : (int)cluster_rank() * THREADS + threadIdx.x;
+    if constexpr (GATE_REG) {
+      if (item0 < GROUP * PIECES)
+        gate_pre = __ldg(reinterpret_cast<const uint4*>(grow + (item0 / PIECES) * gate_head + 8 * (item0 % PIECES)));
+    } else {
+      for (int item = item0; item < GROUP * PIECES; item += NS * THREADS)
+        if (item % 8 == 0) prefetch_l2(grow + (item / PIECES) * gate_head + 8 * (item % PIECES));
+    }
+  }
+
+  const int count = min(max(__ldg(counts + (long long)row * count_row_stride), 0), topk);
+  const int chunks = (count + kChunk - 1) / kChunk;
+  // This split's chunks: local index m is chunk split + NS m (the single pass: chunk m).
+  const int n_local = chunks > split ? (chunks - split + NS - 1) / NS : 0;
+  auto chunk_of = [&](int m) { return split + NS * m; };
+
+  // ---- fused slot resolution: this CTA's entries, once, into shared memory ---------------
+  int* const slot_list = reinterpret_cast<int*>(smem_bytes + Smem::kQBytes + Smem::kStageBytes);
+  if constexpr (SLOT_CAP > 0) {
+    resolve_slot_list<THREADS, SLOT_CAP>(slot_list, chunk_of, count, topk, indices + (long long)row * count_row_stride,
+                                         idx_col_stride, block_table, bt_row_stride, bt_col_stride, table_width,
+                                         num_requests, __ldg(token_to_req + (long long)row * t2r_stride), num_blocks,
+                                         page_size, offset_bits);
+    __syncthreads();
+  }
+
+  // ---- per-warp pipeline (its first copies go out before Q is loaded: they overlap) ----
   const int my_n = n_local > warp ? (n_local - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
   const int* const srow = slots + (long long)row * slot_columns;
   const unsigned char* const kbase = k_cache + (unsigned long long)kvh * k_head;
   const unsigned char* const vrow0 = v_cache + (unsigned long long)kvh * v_head;
   const unsigned char* const vbase = vrow0 + SPAN * g;
   const unsigned offset_mask = (1u << offset_bits) - 1u;
-  // kFeatLin: the host guarantees k_block = rows * k_token and v_block = rows * v_token.
-  const unsigned lin_rows = LIN ? k_block / k_token : 0u;
 
   // A chunk's 16 slots: one load a warp (lane L holds entry L % 16); issue() hands them
   // out with shuffles (one L2 request a chunk instead of one per fragment row).
@@ -153,17 +146,18 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS, const int* __
       return __ldg(srow + chunk_of(m) * kChunk + (lane & 15));
     }
   };
-  // Whether the prologue loads chunk k's slots: k < my_n, or (kFeatSpec) whenever they
-  // exist in the slot pass's output (entries past the count are -1 there).
+  // Whether the prologue loads chunk k's slots: a cluster while k < my_n; the single pass
+  // whenever they exist in the slot pass's output, without waiting for the count (entries
+  // past it are -1 there, so those chunks copy nothing and are never waited for).
   auto pre_ok = [&](int k) {
-    return SPEC ? chunk_of(warp + k * NUM_WARPS) < slot_columns / kChunk : k < my_n;
+    if constexpr (SINGLE) return chunk_of(warp + k * NUM_WARPS) < slot_columns / kChunk;
+    else return k < my_n;
   };
   // A token's address: the host guarantees 32-bit strides, so two 32x32->64-bit
-  // multiply-adds (kFeatLin: one); a masked slot (-1) reads as slot 0, a valid address the
-  // zero-byte copy never touches (no branch per token).
+  // multiply-adds; a masked slot (-1) reads as slot 0, a valid address the zero-byte copy
+  // never touches (no branch per token).
   auto token_ptr = [&](const unsigned char* base, int slot, unsigned blk, unsigned tok) {
     const unsigned s = (unsigned)max(slot, 0);
-    if constexpr (LIN) return base + (unsigned long long)s * tok;
     const unsigned long long off =
         (unsigned long long)(s >> offset_bits) * blk + (unsigned long long)(s & offset_mask) * tok;
     return base + off;
@@ -174,25 +168,16 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS, const int* __
   // bytes per instruction, as before, doubled the L2 requests). Rows land in shared memory at
   // piece ^ kswz(row): the fragment reads of rows 2m and 2m+1 then hit disjoint banks.
   // (The half-line reads were the likely reason for ncu's 87% L2 busy at 51% DRAM.)
-  // kFeatTma: lanes 0-15 copy K rows, 16-31 V rows (kFeatKv256: lanes 0-15 both at once)
-  // with cp.async.bulk; the stage's mbarrier expects the valid tokens' bytes.
+  // BULK: lanes 0-15 copy their token's K and V rows (256 bytes, V right after K) with one
+  // cp.async.bulk each; the stage's mbarrier expects the valid tokens' bytes.
   auto issue = [&](int k, int sl) -> unsigned {
-    // kFeatLin: slot -> linear token row (page * rows + offset), once a lane.
-    if constexpr (LIN) sl = sl < 0 ? -1 : (int)(((unsigned)sl >> offset_bits) * lin_rows + ((unsigned)sl & offset_mask));
     if constexpr (BULK) {
       const int s = k % NUM_STAGES;
       const unsigned st = wstage + s * SB, bar = bars + 8 * s;
       const bool ok = sl >= 0;
       const unsigned vm = __ballot_sync(kFull, ok) & 0xffffu;  // also: every lane is done with the stage
       if (lane == 0) mbar_arrive_expect(bar, __popc(vm) * 2 * HEAD_DIM);
-      const int e = lane & 15;
-      if constexpr (KV256) {
-        if (lane < 16 && ok) bulk_copy(st + bulk_row(e), token_ptr(kbase, sl, k_block, k_token), 2 * HEAD_DIM, bar);
-      } else if (ok) {
-        const bool is_v = lane >= 16;
-        const unsigned char* src = is_v ? token_ptr(vrow0, sl, v_block, v_token) : token_ptr(kbase, sl, k_block, k_token);
-        bulk_copy(st + bulk_row(e) + (is_v ? HEAD_DIM : 0), src, HEAD_DIM, bar);
-      }
+      if (lane < 16 && ok) bulk_copy(st + bulk_row(lane), token_ptr(kbase, sl, k_block, k_token), 2 * HEAD_DIM, bar);
       return ((vm >> (2 * t)) & 3u) | (((vm >> (2 * t + 8)) & 3u) << 2);
     } else {
       const unsigned st = smem_u32(wbase + (k % NUM_STAGES) * STAGE_U4 * 32);
@@ -241,10 +226,9 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS, const int* __
       if constexpr (!BULK) cp_async_commit();
     }
   }
-  // ahead[a]: the slots of chunk k + NUM_STAGES - 1 + a at the top of iteration k.
-  int ahead[SLOT_AHEAD];
-#pragma unroll
-  for (int a = 0; a < SLOT_AHEAD; ++a) ahead[a] = pre_ok(NUM_STAGES - 1 + a) ? load_slots(NUM_STAGES - 1 + a) : -1;
+  // The slots of chunk k + NUM_STAGES - 1 at the top of iteration k (loaded one iteration
+  // before its copies are issued).
+  int next = pre_ok(NUM_STAGES - 1) ? load_slots(NUM_STAGES - 1) : -1;
 
   // ---- Q fragments (rows g, g+8 of the group; padding rows are zero) -------------------
   // QK runs in fp16 so K needs one cvt per two e4m3 bytes (see q_fragments for exactness).
@@ -267,11 +251,9 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS, const int* __
                        BULK ? bulk_row(2 * t + 1) + HEAD_DIM + 16 * g : 0};
 
   for (int k = 0; k < my_n; ++k) {
-    if (k + NUM_STAGES - 1 < my_n) ring |= issue(k + NUM_STAGES - 1, ahead[0]) << (4 * (NUM_STAGES - 1));
+    if (k + NUM_STAGES - 1 < my_n) ring |= issue(k + NUM_STAGES - 1, next) << (4 * (NUM_STAGES - 1));
     if constexpr (!BULK) cp_async_commit();
-#pragma unroll
-    for (int a = 0; a + 1 < SLOT_AHEAD; ++a) ahead[a] = ahead[a + 1];
-    if (k + NUM_STAGES - 1 + SLOT_AHEAD < my_n) ahead[SLOT_AHEAD - 1] = load_slots(k + NUM_STAGES - 1 + SLOT_AHEAD);
+    if (k + NUM_STAGES < my_n) next = load_slots(k + NUM_STAGES);
     if constexpr (BULK) mbar_wait(bars + 8 * (k % NUM_STAGES), (k / NUM_STAGES) & 1);
     else cp_async_wait<NUM_STAGES - 1>();
     const unsigned bits = ring & 0xfu;
@@ -279,10 +261,8 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS, const int* __
     const uint4* st = wbase + (k % NUM_STAGES) * STAGE_U4 * 32;
     const unsigned char* const bst = smem_bytes + Smem::kQBytes + (warp * NUM_STAGES + k % NUM_STAGES) * SB;
 
-    // S = Q K^T over this chunk's 16 tokens (two n8 tiles); kFeatQk2: odd k-steps into a
-    // second accumulator, halving the dependent MMA chain.
+    // S = Q K^T over this chunk's 16 tokens (two n8 tiles).
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    float s2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
@@ -298,17 +278,10 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS, const int* __
           uint4 a;
           if constexpr (Q_SMEM) a = qsm[(G * 4 + u) * 32 + lane];
           else a = qreg[G][u];
-          mma_f16(QK2 && (u & 1) ? s2[j] : s[j], a, lo, hi);
+          mma_f16(s[j], a, lo, hi);
         }
       }
     }
-    if constexpr (QK2) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s[j][i] += s2[j][i];
-    }
-
     // Online softmax in base 2; masked tokens are -inf and never produce NaN.
     float x[2][4];
 #pragma unroll
@@ -386,7 +359,8 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS, const int* __
   l0 += __shfl_xor_sync(kFull, l0, 2);
   l1 += __shfl_xor_sync(kFull, l1, 1);
   l1 += __shfl_xor_sync(kFull, l1, 2);
-  if constexpr (!BULK) cp_async_wait<0>();  // (bulk: every issued copy was waited for)
+  // (bulk: every copy was waited for; the single pass's prologue copies nothing past the count)
+  if constexpr (!BULK) cp_async_wait<0>();
   __syncthreads();  // every warp is done with its stages: reuse them
   merge_and_store<GROUP, HEAD_DIM, NUM_WARPS, CLUSTER, GATE_REG>(
       reinterpret_cast<float*>(smem + Q_U4), acc, m0, m1, l0, l1, out + row * out_row + head0 * out_head, out_head,

@@ -1,19 +1,12 @@
-// Opt-in pieces of the QSA decode variants (qsa_decode_x / qsa_decode_cluster_x in
-// qsa_decode.cuh, chosen by flashinfer_jit/qsa_variants.py): the feature bits, bulk copies
-// completing on an mbarrier, and the bank-conflict-free placement of bulk-copied rows.
+// Bulk copies of the QSA decode (BULK in templates/qsa_body.cuh; D = 128): one
+// cp.async.bulk copy of a token's 256 bytes (its K row, then its V row: the combined
+// cache), completing on one mbarrier per warp stage, and the bank-conflict-free placement
+// of the copied rows in a stage.
 #pragma once
 
 namespace fij_qsa {
 
-// Feature bits (the FEAT template parameter; 0 is the shipped kernel).
-constexpr int kFeatOrder = 1;   // single pass: CTA i takes row order[i / Hkv] (the slot pass sorts rows, longest first)
-constexpr int kFeatSpec = 2;    // the prologue's slot loads and copies do not wait for the valid count
-constexpr int kFeatGate = 4;    // the gate is fetched at kernel start (registers in clusters, else into L2)
-constexpr int kFeatTma = 8;     // K/V rows by cp.async.bulk, one mbarrier per warp stage (D = 128)
-constexpr int kFeatKv256 = 16;  // with kFeatTma: one 256-byte copy a token (V directly follows K)
-constexpr int kFeatIlv = 32;    // split-K: chunk c belongs to split c % CLUSTER (slot loads need no count)
-constexpr int kFeatQk2 = 64;    // S = Q K^T in two independent accumulator chains per n8 tile
-constexpr int kFeatLin = 128;   // a token's address is (its linear row) * token stride: one multiply-add
+constexpr int kBulkStageBytes = 4224;  // 16 token rows of 256 bytes placed by bulk_row
 
 __device__ __forceinline__ void mbar_init(unsigned bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
@@ -49,11 +42,10 @@ __device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigne
                "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
-// Byte offset of token row r (0..15; [K 128 B | V 128 B]) in a 4224-byte bulk stage (D =
-// 128). Bulk copies cannot swizzle inside a row, so rows are placed by their offset mod 128
-// instead: rows 2m, 2m + 1 (one 8-lane phase of the K fragment reads) sit 64 bytes apart,
+// Byte offset of token row r (0..15; [K 128 B | V 128 B]) in a kBulkStageBytes bulk stage
+// (D = 128). Bulk copies cannot swizzle inside a row, so rows are placed by their offset
+// mod 128 instead: rows 2m, 2m + 1 (one 8-lane phase of the K fragment reads) sit 64 bytes apart,
 // and rows 2t + c, t = 0..3 (a phase of the V reads) at four distinct 32-byte offsets.
 // Rows of one residue class are packed 256 bytes apart, classes 1056 bytes apart.
 __device__ __forceinline__ int bulk_row(int r) {

@@ -1,13 +1,13 @@
 // QSA fp8 sparse paged decode: attention of a row's query heads over the KV tokens the
 // slot pass resolved, gathered from an e4m3 paged cache (see qsa_slots.cuh).
 //
-// One CTA per (row, kv head, split); a row's 16-token chunks are dealt round-robin to the
-// CTA's warps. Each warp runs its own cp.async pipeline (NUM_STAGES chunks in flight, no
-// block-wide barrier in the loop) and its own online softmax; the warps' (max, sum, acc)
-// are merged through shared memory at the end. Split-K (small batches, qsa_decode_cluster):
-// the CLUSTER splits of a (row, kv head) form one thread block cluster and merge through
-// distributed shared memory, optionally resolving their own slots (SLOT_CAP > 0) so a call
-// is one launch with no workspace.
+// One CTA per (row, kv head, split); a CTA's 16-token chunks are dealt round-robin to its
+// warps. Each warp runs its own copy pipeline (NUM_STAGES chunks in flight, no block-wide
+// barrier in the loop) and its own online softmax; the warps' (max, sum, acc) are merged
+// through shared memory at the end. Split-K (small batches, qsa_decode_cluster): chunk c
+// of a (row, kv head) belongs to split c % CLUSTER, the splits form one thread block
+// cluster and merge through distributed shared memory, optionally resolving their own
+// slots (SLOT_CAP > 0) so a call is one launch with no workspace.
 // Tensor cores, m16n8k16 (rows = the group's query heads, zero-padded to 16):
 //   S = Q K^T and P V in fp16 (e4m3 -> fp16 is exact; q is scaled per head so bf16 -> fp16
 //   is exact too, see the Q fragment comment). P is rounded to fp16 (2^-11 relative): about
@@ -27,45 +27,29 @@
 // Byte offsets into the cache are 64-bit (a layer's pool can pass 2**31 bytes); the cache
 // strides themselves are 32-bit (the host checks), which keeps a token's address at two
 // 32x32->64 multiply-adds.
-// Opt-in variants (qsa_decode_x, qsa_decode_cluster_x: the FEAT bits of qsa_bulk.cuh) are
-// measured through flashinfer_jit/qsa_variants.py; the dispatcher launches none of them.
+// BULK (D = 128, V right after K in memory): each token's K and V rows arrive by one
+// 256-byte cp.async.bulk copy instead of the cp.async gathers (qsa_bulk.cuh).
+// Every kernel waits for the preceding grid before its first global access and then lets
+// its dependents launch (programmatic dependent launch; no-ops for ordinary launches).
 #pragma once
 #include "qsa_body.cuh"
 
 namespace fij_qsa {
 
-// The large-batch kernel: one CTA per (row, kv head), slots from the slot pass.
-template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int SLOT_AHEAD>
+// The large-batch kernel: one CTA per (row, kv head), slots and row order from the slot pass.
+template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, bool BULK>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) qsa_decode(FIJ_QSA_DECODE_PARAMS) {
-  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, 0, 0, SLOT_AHEAD>(FIJ_QSA_DECODE_ARGS, nullptr);
+  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, 0, 0, BULK>(FIJ_QSA_DECODE_ARGS);
 }
 
 // The small-batch kernel: CLUSTER splits per (row, kv head) in one thread block cluster
 // (grid.y = CLUSTER), merged through distributed shared memory; SLOT_CAP > 0 also resolves
 // the slots in the kernel, so a call is this one launch.
-template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP>
+template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP, bool BULK>
 __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__(NUM_WARPS * 32, MIN_CTAS)
     qsa_decode_cluster(FIJ_QSA_DECODE_PARAMS) {
   static_assert(CLUSTER >= 2 && CLUSTER <= 8, "portable cluster sizes");
-  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, CLUSTER, SLOT_CAP>(FIJ_QSA_DECODE_ARGS, nullptr);
-}
-
-// Opt-in variants of the two (flashinfer_jit/qsa_variants.py; FEAT: kFeat* bits of
-// qsa_bulk.cuh). `order` (kFeatOrder) is the slot pass's row order; clusters take it only
-// to share the signature. Clusters of 9..16 CTAs are non-portable: the host allows them on
-// the function before launching.
-template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int SLOT_AHEAD, int FEAT>
-__global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS)
-    qsa_decode_x(FIJ_QSA_DECODE_PARAMS, const int* __restrict__ order) {
-  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, 0, 0, SLOT_AHEAD, FEAT>(FIJ_QSA_DECODE_ARGS, order);
-}
-
-template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP, int FEAT>
-__global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__(NUM_WARPS * 32, MIN_CTAS)
-    qsa_decode_cluster_x(FIJ_QSA_DECODE_PARAMS, const int* __restrict__ order) {
-  static_assert(CLUSTER >= 2 && CLUSTER <= 16, "cluster sizes (9..16 non-portable)");
-  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, CLUSTER, SLOT_CAP, 1, FEAT>(FIJ_QSA_DECODE_ARGS,
-                                                                                            order);
+  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, CLUSTER, SLOT_CAP, BULK>(FIJ_QSA_DECODE_ARGS);
 }
 
 #undef FIJ_QSA_DECODE_ARGS

@@ -2,6 +2,7 @@
 // conversions, m16n8k16 MMA, thread-block-cluster access, the gated output store.
 #pragma once
 #include "common.cuh"
+#include "qsa_bulk.cuh"
 
 namespace fij_qsa {
 
@@ -23,6 +24,7 @@ __device__ __forceinline__ void cp_async8(unsigned dst, const void* src, bool va
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(valid ? 8 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
@@ -139,7 +141,7 @@ __device__ __forceinline__ void store_gated(fij::bf16_t* out, const fij::bf16_t*
   *reinterpret_cast<uint4*>(out) = res;
 }
 
-// store_gated with the gate values already loaded (kFeatGate).
+// store_gated with the gate values already loaded (a cluster's gate held in registers).
 __device__ __forceinline__ void store_gated_value(fij::bf16_t* out, const uint4& gv, const float (&a)[8], float denom,
                                                   float output_scale) {
   *reinterpret_cast<uint4*>(out) = denom > 0.f ? gate_scaled(gv, a, output_scale / denom) : make_uint4(0, 0, 0, 0);
@@ -198,8 +200,8 @@ __device__ __forceinline__ void q_fragments(const fij::bf16_t* q, long long q_he
 // of the GROUP heads from all ranks' partials (cpart: [GROUP][HEAD_DIM] unnormalized
 // accumulators, cml: their (max, sum) pairs, at the same smem offset in every CTA) and
 // writes the gated output; out/gate point at the kv head's first query head. GATE_PRE:
-// gpre already holds the gate of this thread's only item (kFeatGate, one item a thread).
-template <int CLUSTER, int GROUP, int HEAD_DIM, int THREADS, bool GATE_PRE = false>
+// gpre already holds the gate of this thread's only item (loaded at kernel start).
+template <int CLUSTER, int GROUP, int HEAD_DIM, int THREADS, bool GATE_PRE>
 __device__ __forceinline__ void cluster_merge(const float* cpart, const float* cml, fij::bf16_t* out,
                                               long long out_head, const fij::bf16_t* gate, long long gate_head,
                                               float output_scale, const uint4& gpre = uint4{}) {
@@ -314,17 +316,17 @@ constexpr bool q_in_smem(int head_dim, int num_warps, int min_ctas) {
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
-// Bytes of one warp stage: 16 tokens of K and V, as cp.async gathers them or (kFeatTma) as
+// Bytes of one warp stage: 16 tokens of K and V, as cp.async gathers them or (BULK) as
 // bulk copies place them (qsa_bulk.cuh, bulk_row).
-constexpr int stage_bytes(int head_dim, bool bulk) { return bulk ? 4224 : (head_dim / 16) * 32 * 16; }
+constexpr int stage_bytes(int head_dim, bool bulk) { return bulk ? kBulkStageBytes : (head_dim / 16) * 32 * 16; }
 
 // Shared memory bytes of a decode specialization (the host computes the same:
-// flashinfer_jit/qsa.py, _decode_smem_bytes, and qsa_variants.decode_smem_bytes). After Q's
-// fragments (when in smem): the warp stages, followed by the fused slot list (SLOT_CAP > 0)
-// while the loop runs; afterwards the same space holds the cross-warp reduction and (a
-// cluster) this CTA's partial, placed past the reduction so peers can read it. Bulk copies
-// (kFeatTma) add one mbarrier per warp stage at the end.
-template <int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP, bool BULK = false>
+// flashinfer_jit/qsa.py, decode_smem_bytes). After Q's fragments (when in smem): the warp
+// stages, followed by the fused slot list (SLOT_CAP > 0) while the loop runs; afterwards
+// the same space holds the cross-warp reduction and (a cluster) this CTA's partial, placed
+// past the reduction so peers can read it. Bulk copies add one mbarrier per warp stage at
+// the end.
+template <int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP, bool BULK>
 struct DecodeSmem {
   static constexpr int kQBytes = q_in_smem(HEAD_DIM, NUM_WARPS, MIN_CTAS) ? (HEAD_DIM / 64) * 4 * 32 * 16 : 0;
   static constexpr int kStageBytes = NUM_WARPS * NUM_STAGES * stage_bytes(HEAD_DIM, BULK);

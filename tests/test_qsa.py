@@ -16,12 +16,14 @@ import pytest
 import torch
 
 from flashinfer_jit import qsa
+from flashinfer_jit import qsa_kernels as qk
 from flashinfer_jit.qsa import (
     qsa_sparse_paged_attention,
     qsa_sparse_paged_decode,
     use_fp8_decode_kernel,
     warmup_qsa_fp8_decode,
 )
+from flashinfer_jit.qsa_checks import HEAD_DIMS
 
 TOL = 5e-3
 
@@ -100,8 +102,21 @@ def assert_close(out, ref):
 
 
 # -- inputs --------------------------------------------------------------------------------
-def make_case(rows=3, hq=8, hkv=2, d=64, page=16, topk=40, num_blocks=24, num_requests=3,
-              width=6, seed=0, device="cpu", combined=False, dtype=torch.float8_e4m3fn):
+def make_case(
+    rows=3,
+    hq=8,
+    hkv=2,
+    d=64,
+    page=16,
+    topk=40,
+    num_blocks=24,
+    num_requests=3,
+    width=6,
+    seed=0,
+    device="cpu",
+    combined=False,
+    dtype=torch.float8_e4m3fn,
+):
     """Random inputs; the cache is either plain or the combined [nb, Hkv, page, 2D] split."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(rows, hq, d, generator=gen).to(torch.bfloat16)
@@ -129,10 +144,16 @@ def make_case(rows=3, hq=8, hkv=2, d=64, page=16, topk=40, num_blocks=24, num_re
         indices[r, topk] = picks.numel()
     token_to_req = torch.randint(0, num_requests, (rows,), generator=gen).to(torch.int32)
     return dict(
-        q=q.to(device), k_cache=k_cache, v_cache=v_cache, logical_indices=indices.to(device),
-        block_table=block_table.to(device), token_to_req=token_to_req.to(device),
-        out=torch.full_like(q, float("nan")).to(device), output_gate=gate.to(device),
-        softmax_scale=1.0 / math.sqrt(d), output_scale=0.75,
+        q=q.to(device),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        logical_indices=indices.to(device),
+        block_table=block_table.to(device),
+        token_to_req=token_to_req.to(device),
+        out=torch.full_like(q, float("nan")).to(device),
+        output_gate=gate.to(device),
+        softmax_scale=1.0 / math.sqrt(d),
+        output_scale=0.75,
     )
 
 
@@ -144,20 +165,20 @@ def add_hazards(case):
     rows, width = idx.shape
     topk = width - 1
     nb = case["k_cache"].shape[0]
-    idx[0, : min(topk, 33)] = -1                      # leading chunk of -1 (the NaN trap)
+    idx[0, : min(topk, 33)] = -1  # leading chunk of -1 (the NaN trap)
     if rows > 1:
-        idx[1, topk] = 0                              # nothing valid
+        idx[1, topk] = 0  # nothing valid
     if rows > 2:
-        idx[2, topk] = topk + 100                     # count past TOPK: clamp
+        idx[2, topk] = topk + 100  # count past TOPK: clamp
     if rows > 3:
-        t2r[3] = -1                                   # no request
+        t2r[3] = -1  # no request
     if rows > 4:
-        t2r[4] = bt.shape[0] + 2                      # request past the table
+        t2r[4] = bt.shape[0] + 2  # request past the table
     if rows > 5:
         idx[5, : topk // 2] = bt.shape[1] * case["k_cache"].shape[1] + 5  # page past width
-    bt[0, 0] = -1                                     # unmapped page
-    bt[-1, -1] = nb + 3                               # physical page past the cache
-    if rows > 6:                                      # entries past the count hold garbage
+    bt[0, 0] = -1  # unmapped page
+    bt[-1, -1] = nb + 3  # physical page past the cache
+    if rows > 6:  # entries past the count hold garbage
         count = int(idx[6, topk].clamp(0, topk))
         idx[6, count:topk] = 0
     case.update(logical_indices=idx, block_table=bt, token_to_req=t2r)
@@ -165,13 +186,31 @@ def add_hazards(case):
 
 
 def ref_of(case):
-    return reference(case["q"], case["k_cache"], case["v_cache"], case["logical_indices"],
-                     case["block_table"], case["token_to_req"], case["output_gate"],
-                     case["softmax_scale"], case["output_scale"])
+    return reference(
+        case["q"],
+        case["k_cache"],
+        case["v_cache"],
+        case["logical_indices"],
+        case["block_table"],
+        case["token_to_req"],
+        case["output_gate"],
+        case["softmax_scale"],
+        case["output_scale"],
+    )
 
 
-ARG_ORDER = ("q", "k_cache", "v_cache", "logical_indices", "block_table", "token_to_req", "out",
-             "output_gate", "softmax_scale", "output_scale")
+ARG_ORDER = (
+    "q",
+    "k_cache",
+    "v_cache",
+    "logical_indices",
+    "block_table",
+    "token_to_req",
+    "out",
+    "output_gate",
+    "softmax_scale",
+    "output_scale",
+)
 
 
 def args_of(case):
@@ -224,11 +263,28 @@ def test_empty_row_nan_gate_rows_zero_and_topk_zero():
         (lambda c: c.update(out=c["out"][:, :4]), ValueError, "out must have q's shape"),
         (lambda c: c.update(k_cache=c["k_cache"].float()), TypeError, "k_cache must be"),
         (lambda c: c.update(v_cache=c["v_cache"][:, :8]), ValueError, "v_cache must match"),
-        (lambda c: c.update(q=c["q"][:, :3], out=c["out"][:, :3], output_gate=c["output_gate"][:, :3]),
-         ValueError, "multiple of num_kv_heads"),
-        (lambda c: c.update(logical_indices=c["logical_indices"].long()), TypeError, "logical_indices"),
-        (lambda c: c.update(logical_indices=c["logical_indices"][:2]), ValueError, "logical_indices must be"),
-        (lambda c: c.update(token_to_req=c["token_to_req"][:1]), ValueError, "token_to_req must have"),
+        (
+            lambda c: c.update(
+                q=c["q"][:, :3], out=c["out"][:, :3], output_gate=c["output_gate"][:, :3]
+            ),
+            ValueError,
+            "multiple of num_kv_heads",
+        ),
+        (
+            lambda c: c.update(logical_indices=c["logical_indices"].long()),
+            TypeError,
+            "logical_indices",
+        ),
+        (
+            lambda c: c.update(logical_indices=c["logical_indices"][:2]),
+            ValueError,
+            "logical_indices must be",
+        ),
+        (
+            lambda c: c.update(token_to_req=c["token_to_req"][:1]),
+            ValueError,
+            "token_to_req must have",
+        ),
         (lambda c: c.update(block_table=c["block_table"][0]), ValueError, "block_table must be"),
         (lambda c: c.update(softmax_scale=float("nan")), ValueError, "softmax_scale"),
     ],
@@ -251,12 +307,16 @@ def test_gate_and_warmup_on_cpu():
     assert not use_fp8_decode_kernel(10**6, torch.bfloat16)
     assert not use_fp8_decode_kernel(1, torch.float8_e4m3fn)
     kv = torch.zeros(4, 2, 16, 256, dtype=torch.uint8)
-    assert warmup_qsa_fp8_decode(kv, torch.zeros(2, 4, dtype=torch.int32),
-                                 num_query_heads=16, selection_width=64) == ()
+    assert (
+        warmup_qsa_fp8_decode(
+            kv, torch.zeros(2, 4, dtype=torch.int32), num_query_heads=16, selection_width=64
+        )
+        == ()
+    )
 
 
 def test_split_count_and_specs():
-    """The measured split rule (qsa.split_count docstring) and what warm-up/prebuild cover."""
+    """The measured split rule (qsa_kernels.split_count) and what prebuild covers."""
     assert qsa.split_count(4, 4, 2048) == 8  # rows * Hkv = 16
     assert qsa.split_count(16, 4, 2048) == 4
     assert [qsa.split_count(r, 4, 2048) for r in (32, 64, 128, 256)] == [2] * 4
@@ -264,13 +324,14 @@ def test_split_count_and_specs():
     assert qsa.split_count(32, 4, 8192) == 8 and qsa.split_count(64, 4, 8192) == 4
     assert qsa.split_count(4, 4, 100) == 1  # too few chunks to split
     assert qsa.split_count(4, 4, 256) == 2
-    assert qsa.split_count(qsa.DECODE_MIN_PROGRAMS, 1, 2048) == 1
-    assert not use_fp8_decode_kernel(qsa.DECODE_MIN_PROGRAMS - 1, torch.uint8)
-    assert qsa._fused_fits(2048, 2) and not qsa._fused_fits(4096, 2) and not qsa._fused_fits(0, 2)
-    labels = {s.family for s in qsa._specs_for(16, 128, 64)}
-    assert labels == {"qsa_slots", "qsa_decode", "qsa_decode_cluster"}
-    caps = {s.label for s in qsa._specs_for(16, 128, 64) if s.family == "qsa_decode_cluster"}
-    assert len(caps) == 2 * len(qsa.CLUSTER_SIZES)  # fused and slot-pass variants
+    assert qsa.split_count(qk.DECODE_MIN_PROGRAMS, 1, 2048) == 1
+    assert not use_fp8_decode_kernel(qk.DECODE_MIN_PROGRAMS - 1, torch.uint8)
+    assert qk.fused_fits(2048, 2) and not qk.fused_fits(4096, 2) and not qk.fused_fits(0, 2)
+    specs = qk.all_specs(16, 128, 64, 1)
+    assert {s.family for s in specs} == {"qsa_slots", "qsa_decode", "qsa_decode_cluster"}
+    clusters = {s.label for s in specs if s.family == "qsa_decode_cluster"}
+    assert len(clusters) == 2 * 2 * len(qk.CLUSTER_SIZES)  # fused or not, bulk or not
+    assert len(qk.all_specs(16, 64, 64, 1)) == 2 + 1 + 2 * len(qk.CLUSTER_SIZES)  # no bulk
 
 
 # -- CPU: the kernels compile for every shipped arch, without spills ------------------------------
@@ -286,9 +347,24 @@ def _cuobjdump() -> str | None:
     return shutil.which("cuobjdump")
 
 
-# Cluster split-K specializations beyond the shipped ones: (group, head dim, cluster, slot cap).
+# Beyond the shipped specializations: cluster sizes and slot caps the dispatcher does not
+# use (group, head dim, cluster, slot cap), and the opt-in knobs of tools/bench_qsa.py
+# --lean (slot-pass entries per thread; 3-stage bulk clusters).
 CLUSTER_EXTRA = [(5, 64, 3, 512), (16, 256, 2, 0), (1, 128, 7, 1024)]
-OPT_IN_SPECS = [((4, 3, 4), 2), ((4, 3, 4), 3), ((4, 4, 3), 1), ((4, 4, 3), 2)]
+
+
+def _checked_specs() -> list:
+    specs = [s for d in HEAD_DIMS for s in qk.all_specs(16, d, 64, 1)]
+    specs += qk.all_specs(5, 128, 48, 1)
+    specs += [qk.slots_family.spec((64, order, e)) for order in (True, False) for e in (2, 4, 8)]
+    specs += [
+        qk.cluster_family.spec((16, 128, 4, 3, 4, c, cap, True)) for c, cap in ((8, 1024), (2, 0))
+    ]
+    specs += [
+        qk.cluster_family.spec((g, d, *qk.DECODE_CONFIG[d], c, cap, False))
+        for g, d, c, cap in CLUSTER_EXTRA
+    ]
+    return list(dict.fromkeys(specs))
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -297,23 +373,17 @@ def test_kernels_compile_without_spills(arch, tmp_path):
     from flashinfer_jit._jit import TEMPLATE_ROOT
     from jit_kernels import compile_cubin, render
 
-    specs = [s for d in qsa.HEAD_DIMS for s in qsa._specs_for(16, d, 64)]
-    specs.append(qsa._decode_family.spec((5, 128, *qsa.DECODE_CONFIG[128], 1)))
-    # the round-5 opt-in variants (tools/bench_qsa.py OPT_IN)
-    specs += [qsa._decode_family.spec((16, 128, *c, a)) for c, a in OPT_IN_SPECS]
-    specs += [qsa._decode_cluster_family.spec((16, 128, *c, 4, 1024))
-              for c in ((8, 3, 1), (4, 6, 1), (8, 5, 1))]
-    specs += [qsa._decode_cluster_family.spec((g, d, *qsa.DECODE_CONFIG[d], c, cap))
-              for g, d, c, cap in CLUSTER_EXTRA]
     tool = _cuobjdump()
-    for spec in dict.fromkeys(specs):
+    for spec in _checked_specs():
         kernel = compile_cubin(render(spec, TEMPLATE_ROOT), arch)
         assert kernel.cubin and kernel.entry
         if tool is None:
             continue
         path = tmp_path / "k.cubin"
         path.write_bytes(kernel.cubin)
-        usage = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True).stdout
+        usage = subprocess.run(
+            [tool, "-res-usage", str(path)], capture_output=True, text=True
+        ).stdout
         assert "LOCAL:0" in usage and "STACK:0" in usage, f"{spec.label} spills on {arch}: {usage}"
 
 
@@ -324,6 +394,7 @@ def test_prebuild_specs_cover_workloads():
     assert workloads["op"] == "qsa"
     specs = qsa.prebuild_specs(workloads)
     labels = {s.label for s in specs}
-    spec = qsa._decode_family.spec((16, 128, *qsa.SINGLE_PASS_128))
-    assert spec.label in labels
+    for bulk in (True, False):  # the combined cache's bulk copies; other caches' cp.async
+        config = qk.default_config(128, 0, bulk)
+        assert qk.decode_family.spec((16, 128, *config, bulk)).label in labels
     assert {s.family for s in specs} == {"qsa_slots", "qsa_decode", "qsa_decode_cluster"}

@@ -5,6 +5,7 @@ float64 reference of tests/test_qsa.py.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -54,62 +55,58 @@ def test_gpu_single_pass(shape, combined, strict):
 @pytest.mark.parametrize("splits, fused", [(2, None), (3, False), (7, None), (8, False)])
 def test_gpu_cluster_split_k(shape, splits, fused, strict):
     """Splits as one cluster merged through DSMEM, with and without in-kernel slots."""
-    case = add_hazards(make_case(rows=7, device="cuda", seed=11 + splits, combined=splits % 2 == 1,
-                                 **shape))
+    case = add_hazards(
+        make_case(rows=7, device="cuda", seed=11 + splits, combined=splits % 2 == 1, **shape)
+    )
     qsa._run_kernels(*args_of(case), num_splits=splits, fused=fused)
     torch.cuda.synchronize()
     assert_close(case["out"], ref_of(case))
     assert (case["out"][1] == 0).all() and (case["out"][3] == 0).all()
 
 
-# The round-5 opt-in variants (tools/bench_qsa.py OPT_IN): single-pass slot lookahead and
-# stage configs, an 8-warp cluster. (num_splits, config, slot_ahead)
-OPT_IN = [(1, None, 2), (1, None, 3), (1, (4, 4, 3), 1), (1, (4, 4, 3), 2), (4, (8, 3, 1), None),
-          (2, (8, 3, 1), None), (8, (4, 6, 1), None), (4, (8, 5, 1), None)]
+# Opt-in variants (tools/bench_qsa.py --lean): (num_splits, overrides of _run_kernels).
+# Bulk copies need the combined cache (even topk below); the others run on both layouts.
+OPT_IN = [
+    (1, dict(slot_entries=4)),
+    (1, dict(slot_entries=8, pdl=True)),
+    (1, dict(bulk=False)),
+    (1, dict(config=(4, 4, 3))),
+    (2, dict(bulk=True)),
+    (8, dict(bulk=True, config=(4, 3, 4))),
+    (4, dict(config=(8, 3, 1), pdl=True)),
+    (2, dict(fused=False, slot_entries=2)),
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", OPT_IN)
 @pytest.mark.parametrize("topk, hq, hkv", [(40, 8, 2), (77, 16, 1), (1000, 64, 4)])
 def test_gpu_opt_in_variants(variant, topk, hq, hkv, strict):
-    """Every opt-in variant on short (fewer chunks than the lookahead) and long selections,
-    with the -1 / valid-count / bad-request hazards."""
-    splits, config, ahead = variant
-    case = add_hazards(make_case(rows=9, hq=hq, hkv=hkv, d=128, page=64, topk=topk,
-                                 width=-(-topk // 64) + 3, num_blocks=60, device="cuda",
-                                 seed=topk + splits, combined=topk % 2 == 0))
+    """Every opt-in variant on short (fewer chunks than stages) and long selections, with the
+    -1 / valid-count / bad-request hazards."""
+    splits, overrides = variant
+    if overrides.get("bulk") and topk % 2:
+        pytest.skip("bulk copies need the combined cache")
+    case = add_hazards(
+        make_case(
+            rows=9,
+            hq=hq,
+            hkv=hkv,
+            d=128,
+            page=64,
+            topk=topk,
+            width=-(-topk // 64) + 3,
+            num_blocks=60,
+            device="cuda",
+            seed=topk + splits,
+            combined=topk % 2 == 0,
+        )
+    )
     case["out"].fill_(float("nan"))
-    qsa._run_kernels(*args_of(case), num_splits=splits, config=config, slot_ahead=ahead)
+    qsa._run_kernels(*args_of(case), num_splits=splits, **overrides)
     torch.cuda.synchronize()
     assert_close(case["out"], ref_of(case))
     assert (case["out"][1] == 0).all() and (case["out"][3] == 0).all()
-
-
-@pytest.mark.gpu
-def test_gpu_opt_in_flips_with_warmup(jit_cache, strict, monkeypatch):
-    """The one-line flips (SINGLE_PASS_128, ONE_WAVE_CLUSTER_128): warm-up compiles what the
-    flipped dispatcher then launches, and the results stay exact."""
-    monkeypatch.setattr(qsa, "SINGLE_PASS_128", (4, 4, 3, 2))
-    monkeypatch.setattr(qsa, "ONE_WAVE_CLUSTER_128", (8, 5, 1))
-    kv = torch.zeros(60, 2, 64, 256, dtype=torch.uint8, device="cuda")
-    kv.view(torch.float8_e4m3fn).copy_(torch.randn(kv.shape, device="cuda").to(torch.float8_e4m3fn))
-    ready = warmup_qsa_fp8_decode(kv, torch.zeros(2, 4, dtype=torch.int32, device="cuda"),
-                                  num_query_heads=16, selection_width=1000)
-    assert ("qsa_decode", (8, 128, 4, 4, 3, 2)) in ready
-    assert any(p[2:5] == (8, 5, 1) for name, p in ready if name == "qsa_decode_cluster")
-    monkeypatch.setenv("FLASHINFER_JIT_DISABLE", "1")  # everything below was warmed up
-    k_cache, v_cache = kv.transpose(1, 2).split(128, dim=-1)
-    # rows=7 through the dispatcher: a 4-CTA one-wave cluster; the decode: the single pass
-    assert qsa.split_count(7, 2, 1000) == 4
-    for fn in (qsa_sparse_paged_attention, qsa_sparse_paged_decode):
-        case = make_case(rows=7, hq=16, hkv=2, d=128, page=64, topk=1000, width=20,
-                         num_blocks=60, num_requests=3, device="cuda", seed=5)
-        case.update(k_cache=k_cache, v_cache=v_cache)
-        case = add_hazards(case)
-        got = fn(*args_of(case))
-        torch.cuda.synchronize()
-        assert_close(got, ref_of(case))
-        assert (got[1] == 0).all() and (got[3] == 0).all()
 
 
 @pytest.mark.gpu
@@ -119,8 +116,10 @@ def test_gpu_bad_split_arguments(strict):
         qsa._run_kernels(*args_of(case), num_splits=9)
     with pytest.raises(ValueError, match="fused"):  # no cluster, no in-kernel slots
         qsa._run_kernels(*args_of(case), num_splits=1, fused=True)
-    with pytest.raises(ValueError, match="slot_ahead"):
-        qsa._run_kernels(*args_of(case), slot_ahead=5)
+    with pytest.raises(ValueError, match="slot_entries"):
+        qsa._run_kernels(*args_of(case), slot_entries=3)
+    with pytest.raises(ValueError, match="bulk copies need head_dim 128"):  # d=64, plain cache
+        qsa._run_kernels(*args_of(case), bulk=True)
     with pytest.raises(ValueError, match="config"):
         qsa._run_kernels(*args_of(case), config=(4, 9, 1))
 
@@ -130,11 +129,26 @@ def test_gpu_bad_split_arguments(strict):
 def test_gpu_dispatch_with_cluster_split_k(rows, topk, strict):
     """The dispatcher's cluster plan and its warm-up."""
     kv = torch.zeros(8, 4, 64, 256, dtype=torch.uint8, device="cuda")
-    ready = warmup_qsa_fp8_decode(kv, torch.zeros(2, 4, dtype=torch.int32, device="cuda"),
-                                  num_query_heads=32, selection_width=topk)
+    ready = warmup_qsa_fp8_decode(
+        kv,
+        torch.zeros(2, 4, dtype=torch.int32, device="cuda"),
+        num_query_heads=32,
+        selection_width=topk,
+    )
     assert "qsa_decode_cluster" in {name for name, _ in ready}
-    case = make_case(rows=rows, hq=32, hkv=4, d=128, page=64, topk=topk, width=-(-topk // 64) + 2,
-                     num_blocks=200, num_requests=3, device="cuda", seed=rows)
+    case = make_case(
+        rows=rows,
+        hq=32,
+        hkv=4,
+        d=128,
+        page=64,
+        topk=topk,
+        width=-(-topk // 64) + 2,
+        num_blocks=200,
+        num_requests=3,
+        device="cuda",
+        seed=rows,
+    )
     got = qsa_sparse_paged_attention(*args_of(add_hazards(case)))
     torch.cuda.synchronize()
     assert_close(got, ref_of(case))
@@ -145,8 +159,9 @@ def test_gpu_dispatch_with_cluster_split_k(rows, topk, strict):
 @pytest.mark.parametrize("splits", [1, 4])
 def test_gpu_q_magnitudes(factor, splits, strict):
     """QK runs in fp16 on a per-head power-of-two rescale of q: tiny and huge q stay exact."""
-    case = make_case(rows=4, hq=8, hkv=2, d=128, page=32, topk=96, width=4, num_blocks=12,
-                     device="cuda", seed=13)
+    case = make_case(
+        rows=4, hq=8, hkv=2, d=128, page=32, topk=96, width=4, num_blocks=12, device="cuda", seed=13
+    )
     case["q"] = (case["q"].float() * factor).to(torch.bfloat16)
     case["q"][0, 0, :64] *= 2.0**-30  # a head whose halves differ by 2^30
     case["softmax_scale"] = case["softmax_scale"] / factor
@@ -159,8 +174,22 @@ def test_gpu_q_magnitudes(factor, splits, strict):
 @pytest.mark.parametrize("fn", [qsa_sparse_paged_decode, qsa_sparse_paged_attention])
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.uint8])
 def test_gpu_hazards(fn, dtype, strict):
-    case = add_hazards(make_case(rows=8, hq=16, hkv=2, d=128, page=16, topk=70, width=6,
-                                 num_blocks=20, device="cuda", seed=3, dtype=dtype))
+    case = add_hazards(
+        make_case(
+            rows=8,
+            hq=16,
+            hkv=2,
+            d=128,
+            page=16,
+            topk=70,
+            width=6,
+            num_blocks=20,
+            device="cuda",
+            seed=3,
+            dtype=dtype,
+            combined=dtype == torch.uint8,  # the combined cache: bulk copies (D=128)
+        )
+    )
     got = fn(*args_of(case))
     torch.cuda.synchronize()
     assert_close(got, ref_of(case))
@@ -179,8 +208,18 @@ def test_gpu_rows_zero_and_topk_zero(strict):
 
 @pytest.mark.gpu
 def test_gpu_matches_torch_path():
-    case = make_case(rows=6, hq=32, hkv=4, d=128, page=64, topk=256, width=8, num_blocks=32,
-                     device="cuda", seed=21)
+    case = make_case(
+        rows=6,
+        hq=32,
+        hkv=4,
+        d=128,
+        page=64,
+        topk=256,
+        width=8,
+        num_blocks=32,
+        device="cuda",
+        seed=21,
+    )
     got = qsa_sparse_paged_attention(*args_of(case)).clone()
     torch_out = torch.empty_like(got)
     qsa.qsa_decode_torch(*args_of({**case, "out": torch_out}))
@@ -199,17 +238,44 @@ def test_gpu_cache_over_4gib(strict):
     fill = (torch.randn(len(top), hkv, page, 2 * d, generator=gen) * 2).to(torch.float8_e4m3fn)
     kv[top] = fill.view(torch.uint8).cuda()
     k_cache, v_cache = kv.transpose(1, 2).split(d, dim=-1)
-    case = make_case(rows=2, hq=8, hkv=1, d=d, page=page, topk=128, width=6, num_requests=1,
-                     num_blocks=6, device="cuda", seed=1)
-    case.update(k_cache=k_cache, v_cache=v_cache,
-                block_table=torch.tensor([top], dtype=torch.int32, device="cuda"))
-    cluster = lambda *a: qsa._run_kernels(*a, num_splits=2, fused=True) or a[6]  # noqa: E731
-    for fn in (qsa_sparse_paged_decode, qsa_sparse_paged_attention, cluster):
+    case = make_case(
+        rows=2,
+        hq=8,
+        hkv=1,
+        d=d,
+        page=page,
+        topk=128,
+        width=6,
+        num_requests=1,
+        num_blocks=6,
+        device="cuda",
+        seed=1,
+    )
+    case.update(
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=torch.tensor([top], dtype=torch.int32, device="cuda"),
+    )
+
+    def cluster(*args, bulk: bool):
+        qsa._run_kernels(*args, num_splits=2, fused=True, bulk=bulk)
+        return args[6]
+
+    for fn in (
+        qsa_sparse_paged_decode,  # bulk copies (the combined cache)
+        qsa_sparse_paged_attention,  # a one-wave cluster: cp.async
+        functools.partial(cluster, bulk=True),
+        functools.partial(cluster, bulk=False),
+    ):
         case["out"].fill_(float("nan"))
         got = fn(*args_of(case))
         torch.cuda.synchronize()
-        small = dict(case, k_cache=k_cache[top], v_cache=v_cache[top],
-                     block_table=torch.arange(6, dtype=torch.int32).view(1, 6))
+        small = dict(
+            case,
+            k_cache=k_cache[top],
+            v_cache=v_cache[top],
+            block_table=torch.arange(6, dtype=torch.int32).view(1, 6),
+        )
         assert_close(got, ref_of(small))
     del kv
 
@@ -219,10 +285,9 @@ GRAPH_RUNS = {
     "dispatch": lambda args: qsa_sparse_paged_attention(*args),
     "cluster8_fused": lambda args: qsa._run_kernels(*args, num_splits=8, fused=True),
     "cluster2_slots": lambda args: qsa._run_kernels(*args, num_splits=2, fused=False),
-    "decode_ahead2": lambda args: qsa._run_kernels(*args, slot_ahead=2),
-    "decode_s4_ahead2": lambda args: qsa._run_kernels(*args, config=(4, 4, 3), slot_ahead=2),
-    "cluster4_w8": lambda args: qsa._run_kernels(*args, num_splits=4, config=(8, 3, 1)),
-    "cluster8_s6": lambda args: qsa._run_kernels(*args, num_splits=8, config=(4, 6, 1)),
+    "decode_pdl_slots4": lambda args: qsa._run_kernels(*args, pdl=True, slot_entries=4),
+    "cluster4_pdl": lambda args: qsa._run_kernels(*args, num_splits=4, pdl=True),
+    "cluster2_pdl": lambda args: qsa._run_kernels(*args, num_splits=2, pdl=True),
 }
 
 
@@ -230,9 +295,22 @@ GRAPH_RUNS = {
 @pytest.mark.parametrize("rows", [4, 40])
 @pytest.mark.parametrize("run", list(GRAPH_RUNS))
 def test_gpu_cuda_graph(rows, run, strict):
-    """Capture once, replay with fresh inputs copied into the static buffers."""
-    case = make_case(rows=rows, hq=64, hkv=4, d=128, page=64, topk=256, width=8, num_blocks=48,
-                     num_requests=4, device="cuda", seed=2)
+    """Capture once, replay with fresh inputs copied into the static buffers. rows=40 on the
+    combined cache (bulk copies; its 2-split clusters fill more than one CTA per SM)."""
+    case = make_case(
+        rows=rows,
+        hq=64,
+        hkv=4,
+        d=128,
+        page=64,
+        topk=256,
+        width=8,
+        num_blocks=48,
+        num_requests=4,
+        device="cuda",
+        seed=2,
+        combined=rows == 40,
+    )
     fn = lambda *args: GRAPH_RUNS[run](args)  # noqa: E731
     fn(*args_of(case))  # compile and load outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -244,10 +322,29 @@ def test_gpu_cuda_graph(rows, run, strict):
             fn(*args_of(case))
     torch.cuda.current_stream().wait_stream(stream)
     for seed in (99, 100):  # replays twice with fresh inputs in the static buffers
-        fresh = make_case(rows=rows, hq=64, hkv=4, d=128, page=64, topk=256, width=8,
-                          num_blocks=48, num_requests=4, device="cuda", seed=seed)
-        for key in ("q", "k_cache", "v_cache", "logical_indices", "block_table", "token_to_req",
-                    "output_gate"):
+        fresh = make_case(
+            rows=rows,
+            hq=64,
+            hkv=4,
+            d=128,
+            page=64,
+            topk=256,
+            width=8,
+            num_blocks=48,
+            num_requests=4,
+            device="cuda",
+            seed=seed,
+            combined=rows == 40,
+        )
+        for key in (
+            "q",
+            "k_cache",
+            "v_cache",
+            "logical_indices",
+            "block_table",
+            "token_to_req",
+            "output_gate",
+        ):
             case[key].copy_(fresh[key])
         case["out"].fill_(float("nan"))
         graph.replay()
@@ -265,12 +362,24 @@ def test_gpu_warmup_then_no_compile(jit_cache, strict):
     os.environ["FLASHINFER_JIT_DISABLE"] = "1"
     try:
         k_cache, v_cache = kv.transpose(1, 2).split(128, dim=-1)
-        # rows * Hkv = 4, topk 512: the dispatcher takes a fused 4-CTA cluster
-        case = make_case(rows=2, hq=16, hkv=2, d=128, page=64, topk=512, width=4, num_blocks=8,
-                         num_requests=2, device="cuda")
-        assert qsa.split_count(2, 2, 512) == 4
-        case.update(k_cache=k_cache, v_cache=v_cache)
-        qsa_sparse_paged_attention(*args_of(case))
-        qsa_sparse_paged_decode(*args_of(case))
+        # topk 512, Hkv 2: rows=2 takes a fused 4-CTA cluster of cp.async gathers (16 CTAs,
+        # one wave), rows=40 a fused 4-CTA cluster of bulk copies (320 CTAs)
+        assert qsa.split_count(2, 2, 512) == 4 and qsa.split_count(40, 2, 512) == 4
+        for rows in (2, 40):
+            case = make_case(
+                rows=rows,
+                hq=16,
+                hkv=2,
+                d=128,
+                page=64,
+                topk=512,
+                width=4,
+                num_blocks=8,
+                num_requests=2,
+                device="cuda",
+            )
+            case.update(k_cache=k_cache, v_cache=v_cache)
+            qsa_sparse_paged_attention(*args_of(case))
+            qsa_sparse_paged_decode(*args_of(case))
     finally:
         del os.environ["FLASHINFER_JIT_DISABLE"]

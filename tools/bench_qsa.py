@@ -3,7 +3,6 @@
     python tools/bench_qsa.py [--no-sweep]            # about 1.5 minutes on the H200
     python tools/bench_qsa.py --lean                  # issue-shape k table, opt-in vs default, issue table
     python tools/bench_qsa.py --ncu-one [--splits K]  # ONE decode launch, rows=512 (for ncu)
-    python tools/bench_qsa.py --sweep-variants        # opt-in variants x issue shapes (~1-2 min)
 
 Inputs follow the issue: D=128, page 64, valid_count uniform in [topk/2, topk] and -1 past
 it, logical indices drawn without replacement from a 16K-token context per request, pages
@@ -32,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashinfer_jit import qsa  # noqa: E402
+from flashinfer_jit import qsa_kernels as qk  # noqa: E402
 from flashinfer_jit._jit import cuda_device_index, kernel_family  # noqa: E402
 from flashinfer_jit.qsa_ref import qsa_decode_torch  # noqa: E402
 from jit_kernels import current_stream  # noqa: E402
@@ -50,19 +50,24 @@ ISSUE_SHAPES = {
 VARIANTS = [("k1", 1, False), ("k2 f", 2, True), ("k2 s", 2, False), ("k4 f", 4, True)]
 VARIANTS += [("k4 s", 4, False), ("k8 f", 8, True), ("k8 s", 8, False)]
 VARIANTS_LEAN = [("k1", 1, False), ("k2 f", 2, True), ("k2 s", 2, False), ("k4 f", 4, True)]
-# Round-5 opt-in variants (not dispatched): label -> _run_kernels overrides. Single-pass
-# shapes (rows*Hkv >= DECODE_MIN_PROGRAMS) try the slot lookahead and a 4-stage config;
-# cluster shapes try 8 warps per CTA at the dispatcher's split count.
+# Opt-in variants (not dispatched): label -> _run_kernels overrides, at the dispatcher's
+# split count. "pdl": programmatic dependent launches (each kernel's launch overlaps the
+# previous kernel's tail: the slot pass's, and in a graph of back-to-back calls the previous
+# call's). "slots xN": N slot-pass entries per thread, all loads in flight (two round trips
+# a thread instead of three, N times fewer threads). "cp.async" / "bulk sN": the other
+# gather, to check the shipped rule (bulk on the combined cache except one-wave clusters).
 OPT_IN_SINGLE = {
-    "a2": dict(slot_ahead=2),
-    "a3": dict(slot_ahead=3),
-    "s4x3": dict(config=(4, 4, 3), slot_ahead=1),
-    "s4x3 a2": dict(config=(4, 4, 3), slot_ahead=2),
+    "pdl": dict(pdl=True),
+    "slots x4": dict(slot_entries=4),
+    "slots x8": dict(slot_entries=8),
+    "slots x4 pdl": dict(slot_entries=4, pdl=True),
+    "cp.async": dict(bulk=False),
 }
 OPT_IN_CLUSTER = {
-    "w8": dict(config=(8, 3, 1)),
-    "s6": dict(config=(4, 6, 1)),
-    "w8s5": dict(config=(8, 5, 1)),
+    "pdl": dict(pdl=True),
+    "cp.async": dict(bulk=False),
+    "bulk s2": dict(bulk=True, config=qk.BULK_CLUSTER),
+    "bulk s3": dict(bulk=True, config=(4, 3, 4)),
 }
 _probe_family = kernel_family(
     "qsa_gather_probe",
@@ -257,7 +262,7 @@ def sweep_row(shape, gib, seed, with_probe, variants=VARIANTS):
     expect = reference_of(sets[0])
     times = {}
     for label, splits, fused in variants:
-        if fused and not qsa._fused_fits(topk, splits):
+        if fused and not qk.fused_fits(topk, splits):
             continue
         times[label] = timed(variant(splits, fused), sets, expect)
     ok = {k: v for k, v in times.items() if isinstance(v, float)}
@@ -292,7 +297,7 @@ def bench_opt_in(gib) -> None:
     count. The default is timed before and after the variants (drift check); a variant
     WINS only when it beats the better default time by more than 1%."""
     print("\n== opt-in variants vs the shipped default (graph µs per call, same split count)")
-    labels = [*OPT_IN_SINGLE, *OPT_IN_CLUSTER]
+    labels = list(dict.fromkeys([*OPT_IN_SINGLE, *OPT_IN_CLUSTER]))
     out, verdicts = [], []
     for i, shape in enumerate(ISSUE_SHAPES):
         rows, hq, hkv, topk = shape
@@ -314,9 +319,7 @@ def bench_opt_in(gib) -> None:
             win = bool(base and best and ok[best] < 0.99 * min(base))
             gain = f"{100 * (1 - ok[best] / min(base)):+.1f}%" if base and best else "-"
             row = [name, f"k{k}", before, after, *[times.get(lbl) for lbl in labels]]
-            # ONE_WAVE_CLUSTER_128 only reaches grids of at most one CTA per SM
-            flippable = single or rows * hkv * k <= qsa.sm_count(torch.cuda.current_device())
-            verdict = ("WIN" if flippable else "win (info only)") if win else "default"
+            verdict = "WIN" if win else "default"
             out.append([*row, best, gain, verdict])
             verdicts.append(
                 f"{name}: {'opt-in ' + best + ' ' + verdict if win else 'default stays'}"
@@ -330,10 +333,9 @@ def bench_opt_in(gib) -> None:
     print(table([*head, "verdict"], out))
     print("opt-in verdicts: " + "; ".join(verdicts))
     print(
-        "single-pass flip (one line, flashinfer_jit/qsa.py): SINGLE_PASS_128 = (4, 3, 4, 2) for "
-        "a2, (4, 3, 4, 3) a3, (4, 4, 3, 1) s4x3, (4, 4, 3, 2) s4x3 a2. Cluster flip (grids of "
-        "one CTA per SM only, i.e. the rows=4 shape): ONE_WAVE_CLUSTER_128 = (8, 3, 1) w8, "
-        "(4, 6, 1) s6, (8, 5, 1) w8s5"
+        "flips (one line each, flashinfer_jit/qsa.py): PDL = True for pdl, "
+        "SLOT_ENTRIES_PER_THREAD = 4 or 8 for slots x4 / x8; cp.async / bulk sN winning over "
+        "the default means the gather rule (qsa_kernels.takes_bulk, BULK_CLUSTER) moves"
     )
 
 
@@ -383,7 +385,7 @@ def ncu_one(gib: float, splits: int) -> None:
     args = make_sets(512, 64, 4, 2048, 1, gib, seed=5)[0]
     qsa._run_kernels(*args, num_splits=splits, fused=False)
     torch.cuda.synchronize()
-    print(f"one decode launch done: {splits} split(s), single pass {qsa.SINGLE_PASS_128}")
+    print(f"one decode launch done: {splits} split(s)")
 
 
 def main() -> None:
@@ -395,30 +397,19 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=6.0, help="cache pool size")
     parser.add_argument("--ncu-one", action="store_true", help="one decode launch, then exit")
     parser.add_argument("--splits", type=int, default=1, help="split count for --ncu-one")
-    parser.add_argument(
-        "--sweep-variants",
-        action="store_true",
-        help="check and time every opt-in variant (flashinfer_jit/qsa_variants.py) on the "
-        "issue's 4 target shapes; one table last, exit status 1 if any check failed",
-    )
     opts = parser.parse_args()
     if opts.ncu_one:
         ncu_one(opts.gib, opts.splits)
         return
-    if opts.sweep_variants:
-        sys.modules.setdefault("bench_qsa", sys.modules[__name__])  # the sweep's helpers
-        from bench_qsa_sweep import sweep_variants
-
-        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-        sys.exit(1 if sweep_variants(opts.gib) else 0)
     print(
         f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
         f"copy {copy_bandwidth():.2f} TB/s (read + write)"
     )
     print(
-        f"dispatch: single pass when rows*Hkv >= {qsa.DECODE_MIN_PROGRAMS}, else a cluster of "
-        f"split_count() CTAs; decode configs (warps, stages, min CTAs/SM) {qsa.DECODE_CONFIG}, "
-        f"D=128 single pass (+ slot lookahead) {qsa.SINGLE_PASS_128}"
+        f"dispatch: single pass when rows*Hkv >= {qk.DECODE_MIN_PROGRAMS}, else a cluster of "
+        f"split_count() CTAs; (warps, stages, min CTAs/SM): cp.async {qk.DECODE_CONFIG}, "
+        f"D=128 bulk copies {qk.BULK_SINGLE_PASS} single pass, {qk.BULK_CLUSTER} clusters "
+        "(multi-wave grids; one-wave clusters keep cp.async)"
     )
     shapes, ks = list(ISSUE_SHAPES), VARIANTS_LEAN if opts.lean else VARIANTS
     sections = [(True, lambda gib: bench_splits(gib, shapes, "issue shapes", True, ks))]

@@ -1,0 +1,170 @@
+"""QSA kernel selection (flashinfer_jit.qsa_kernels): the dispatcher's choice for the issue's
+calls, warm-up covering exactly what the dispatcher launches, the shipped configs' occupancy,
+the bulk-copy row layout, and the replay of a bulk launch (CPU, kernels stubbed). On the GPU:
+the slot pass's row order over many rows, a bulk launch's replay with V elsewhere, and the
+opt-in flips (programmatic dependent launch, slot-pass entries) through the public functions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashinfer_jit import qsa
+from flashinfer_jit import qsa_kernels as qk
+from flashinfer_jit.qsa_ref import qsa_decode_torch
+
+from .test_qsa import add_hazards, args_of, assert_close, make_case, ref_of
+from .test_replay import FakeKernel, qsa_args, qsa_stub, stub  # noqa: F401 (fixtures)
+
+SMS = 132  # H200
+
+
+def _launched(rows: int, hq: int, hkv: int, topk: int, combined: bool) -> tuple[int, bool, tuple]:
+    """(splits, bulk, config) of the dispatcher on an issue-shaped call (pure rules)."""
+    splits = (
+        1 if qsa.use_fp8_decode_kernel(rows * hkv, torch.uint8) else qk.split_count(rows, hkv, topk)
+    )
+    cluster = splits if splits > 1 else 0
+    bulk = qk.takes_bulk(combined, cluster, rows * hkv * splits, SMS)
+    return splits, bulk, qk.default_config(128, cluster, bulk)
+
+
+def test_issue_calls_take_the_measured_kernels():
+    """The H200 sweep's winners (qsa_kernels docstring) on the issue's four calls."""
+    assert _launched(512, 64, 4, 2048, True) == (1, True, (4, 3, 4))
+    assert _launched(2048, 32, 4, 1024, True) == (1, True, (4, 3, 4))
+    assert _launched(64, 64, 4, 2048, True) == (2, True, (4, 2, 4))  # 512 CTAs
+    assert _launched(4, 64, 4, 2048, True) == (8, False, (4, 3, 4))  # 128 CTAs: one wave
+    for shape in ((512, 64, 4, 2048), (64, 64, 4, 2048)):  # V apart from K: cp.async
+        assert _launched(*shape, False)[1:] == (False, (4, 3, 4))
+
+
+@pytest.mark.parametrize("config, cluster, cap, bulk", [
+    (qk.BULK_SINGLE_PASS, 0, 0, True),
+    (qk.BULK_CLUSTER, 8, qk.CLUSTER_SLOT_CAP, True),
+    (qk.BULK_CLUSTER, 2, 0, True),
+    (qk.DECODE_CONFIG[128], 8, qk.CLUSTER_SLOT_CAP, False),
+    (qk.DECODE_CONFIG[128], 0, 0, False),
+])  # fmt: skip
+def test_shipped_configs_keep_their_ctas_per_sm(config, cluster, cap, bulk):
+    """Each D=128 config's shared memory lets min_ctas CTAs share one SM (228 KB, 1 KB of it
+    reserved per CTA): the occupancy its launch bound was sized for."""
+    smem = qk.decode_smem_bytes(128, config, cluster, cap, bulk)
+    assert config[2] * (smem + 1024) <= 228 * 1024, smem
+
+
+def test_bulk_row_layout_is_conflict_free():
+    """A mirror of bulk_row (templates/qsa_bulk.cuh): rows do not overlap, fit the 4224-byte
+    stage, and every 8-lane phase of the K and V fragment reads hits 32 distinct banks."""
+
+    def bulk_row(r):
+        b = r & 1
+        return (((r >> 1) & 3) + 2 * b & 3) * 1056 + (2 * (r >> 3) + b) * 256
+
+    spans = sorted((bulk_row(r), bulk_row(r) + 256) for r in range(16))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+    assert spans[-1][1] <= qk._BULK_STAGE_BYTES
+
+    def banks(addrs):  # 16-byte reads of 8 lanes
+        words = [a // 4 + w for a in addrs for w in range(4)]
+        return len({w % 32 for w in words}) == len(words)
+
+    for phase in range(4):
+        lanes = range(8 * phase, 8 * phase + 8)
+        for j in range(2):
+            for G in range(2):
+                assert banks(
+                    [bulk_row(8 * j + (ln >> 2)) + 16 * (4 * G + (ln & 3)) for ln in lanes]
+                )
+        for tau in range(4):
+            tok = [2 * (ln & 3) + (tau & 1) + 8 * (tau >> 1) for ln in lanes]
+            assert banks(
+                [bulk_row(r) + 128 + 16 * (ln >> 2) for r, ln in zip(tok, lanes, strict=True)]
+            )
+
+
+@pytest.mark.parametrize("hq, hkv, d, topk", [(64, 4, 128, 2048), (32, 8, 128, 4096),
+                                              (16, 2, 64, 300), (8, 1, 128, 0)])  # fmt: skip
+@pytest.mark.parametrize("combined", [True, False])
+@pytest.mark.usefixtures("qsa_stub")
+def test_warmup_plans_are_what_the_dispatcher_launches(monkeypatch, hq, hkv, d, topk, combined):
+    """Over every row count below the crossover (and one above): the kernels
+    ``_decode_launch`` picks are exactly dispatch_plans (warm-up), all within all_specs
+    (prebuild)."""
+    monkeypatch.setattr(qsa, "capability", lambda device: (9, 0))
+    seen = set()
+    kernel = FakeKernel([])
+    monkeypatch.setattr(qk.KernelFamily, "get", lambda f, p, device: seen.add((f, p)) or kernel)
+    plans = qk.dispatch_plans(hq // hkv, d, 64, hkv, topk, combined and d == 128, SMS, 1)
+    for rows in range(1, -(-qk.DECODE_MIN_PROGRAMS // hkv) + 1):
+        args = qsa_args(rows=rows, hq=hq, hkv=hkv, d=d, page=64, topk=topk, combined=combined)
+        qsa._decode_launch(*list(args.values())[:8], qsa.split_count(rows, hkv, topk))
+    assert seen == set(plans)
+    prebuilt = {s.label for s in qk.all_specs(hq // hkv, d, 64, 1)}
+    assert {f.spec(p).label for f, p in plans} <= prebuilt
+
+
+def test_bulk_launch_replays_only_with_v_after_k(request, monkeypatch):
+    """A bulk launch relies on V following K; a call with the same metadata but V elsewhere
+    takes the full path and its cp.async launch."""
+    stubbed = request.getfixturevalue("qsa_stub")
+    monkeypatch.setattr(qsa, "capability", lambda device: (9, 0))
+    combined = [qsa_args(d=128, page=64, combined=True) for _ in range(3)]
+    assert stubbed.runs(lambda: qsa.qsa_sparse_paged_decode(**combined[0])) == 1
+    assert [launch.kv_gap for launch in qsa._replays.values()] == [128]
+    assert stubbed.runs(lambda: qsa.qsa_sparse_paged_decode(**combined[1])) == 0
+    apart = dict(combined[0], v_cache=combined[2]["v_cache"])  # same strides, V elsewhere
+    assert stubbed.runs(lambda: qsa.qsa_sparse_paged_decode(**apart)) == 1
+    assert [launch.kv_gap for launch in qsa._replays.values()] == [0]
+
+
+# -- GPU -----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_row_order_many_rows():
+    """The slot pass's counting sort over more rows than its CTA has threads (several loop
+    trips) and uneven counts, through the single pass, against the torch path."""
+    case = make_case(rows=700, hq=16, hkv=2, d=128, page=64, topk=96, width=4, num_blocks=40,
+                     device="cuda", seed=9, combined=True)  # fmt: skip
+    case["logical_indices"][:, -1] = torch.randint(0, 97, (700,), device="cuda", dtype=torch.int32)
+    expect = torch.empty_like(case["out"])
+    qsa_decode_torch(*args_of(case)[:6], expect, *args_of(case)[7:])
+    got = qsa.qsa_sparse_paged_decode(*args_of(case))
+    torch.testing.assert_close(got.float(), expect.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_bulk_replay_with_v_elsewhere(monkeypatch):
+    """The same metadata with V in another buffer: not the bulk launch's replay."""
+    monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
+    case = add_hazards(make_case(rows=9, hq=16, hkv=2, d=128, page=64, topk=300, width=8,
+                                 num_blocks=30, device="cuda", seed=4, combined=True))  # fmt: skip
+    assert_close(qsa.qsa_sparse_paged_decode(*args_of(case)), ref_of(case))
+    other = make_case(rows=9, hq=16, hkv=2, d=128, page=64, topk=300, width=8, num_blocks=30,
+                      device="cuda", seed=5, combined=True)  # fmt: skip
+    case["v_cache"] = other["v_cache"]
+    case["out"].fill_(math.nan)
+    assert_close(qsa.qsa_sparse_paged_decode(*args_of(case)), ref_of(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [3, 40, 512])  # one-wave cluster, bulk cluster, single pass
+def test_gpu_flips_back_to_back(monkeypatch, rows):
+    """PDL and 4 slot entries per thread, flipped: back-to-back calls whose q is rewritten by
+    a torch kernel just before each (a kernel reading q before the wait would see the old
+    one), each against its reference."""
+    monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
+    monkeypatch.setattr(qsa, "PDL", True)
+    monkeypatch.setattr(qsa, "SLOT_ENTRIES_PER_THREAD", 4)
+    case = add_hazards(make_case(rows=rows, hq=16, hkv=4, d=128, page=64, topk=600, width=12,
+                                 num_blocks=40, device="cuda", seed=rows, combined=True))  # fmt: skip
+    assert qsa.split_count(rows, 4, 600) == {3: 4, 40: 2, 512: 1}[rows]
+    fresh = [torch.randn_like(case["q"], dtype=torch.float32).to(torch.bfloat16) for _ in range(2)]
+    outs = [torch.full_like(case["out"], math.nan) for _ in fresh]
+    for q, out in zip(fresh, outs, strict=True):
+        case["q"].copy_(q)
+        qsa.qsa_sparse_paged_attention(*args_of(dict(case, out=out)))
+    for q, out in zip(fresh, outs, strict=True):
+        assert_close(out, ref_of(dict(case, q=q)))
