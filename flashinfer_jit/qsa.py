@@ -44,15 +44,13 @@ from .qsa_kernels import (
     SLOT_ENTRIES,
     SLOT_THREADS,
     all_specs,
-    checked_config,
     decode_plan,
     decode_smem_bytes,
-    default_config,
     dispatch_plans,
     fused_fits,
+    gather_choice,
     slot_plan,
     split_count,
-    takes_bulk,
 )
 from .qsa_launch import DecodeLaunch, SlotPass
 from .qsa_ref import qsa_decode_torch
@@ -148,18 +146,9 @@ def _decode_launch(
         raise ValueError(f"slot_entries must be one of {SLOT_ENTRIES}, got {slot_entries}")
     pdl = PDL if pdl is None else bool(pdl)
     device = cuda_device_index(q)
-    bulk_ok = _bulk_ok(k_cache, v_cache, device)
-    if bulk is None:
-        bulk = takes_bulk(bulk_ok, cluster, rows * num_kv_heads * num_splits, sm_count(device))
-    elif bulk and not bulk_ok:
-        raise ValueError(
-            "bulk copies need head_dim 128, v_cache right after k_cache with its strides "
-            "(the combined cache) and sm_90+"
-        )
-    config = (
-        default_config(head_dim, cluster, bulk)
-        if config is None
-        else checked_config(config, head_dim, bulk)
+    grid_ctas, bulk_ok = rows * num_kv_heads * num_splits, _bulk_ok(k_cache, v_cache, device)
+    bulk, config = gather_choice(
+        head_dim, cluster, grid_ctas, sm_count(device), bulk_ok, bulk, config
     )
     family, params = decode_plan(
         num_q_heads // num_kv_heads, head_dim, cluster, fused, bulk, config

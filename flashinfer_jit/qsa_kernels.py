@@ -156,6 +156,28 @@ def checked_config(config: tuple, head_dim: int, bulk: bool) -> Config:
     return warps, stages, min_ctas
 
 
+def gather_choice(
+    head_dim: int,
+    cluster: int,
+    grid_ctas: int,
+    sms: int,
+    bulk_ok: bool,
+    bulk: bool | None = None,
+    config: tuple | None = None,
+) -> tuple[bool, Config]:
+    """(bulk, config) of a decode launch: the shipped rule, or opt-in overrides, checked."""
+    if bulk is None:
+        bulk = takes_bulk(bulk_ok, cluster, grid_ctas, sms)
+    elif bulk and not bulk_ok:
+        raise ValueError(
+            "bulk copies need head_dim 128, v_cache right after k_cache with its strides "
+            "(the combined cache) and sm_90+"
+        )
+    if config is None:
+        return bool(bulk), default_config(head_dim, cluster, bulk)
+    return bool(bulk), checked_config(config, head_dim, bulk)
+
+
 def slot_plan(page_size: int, order: bool, entries: int) -> Plan:
     return slots_family, (page_size, order, entries)
 
@@ -190,10 +212,9 @@ def dispatch_plans(
         if splits == 1:
             continue
         fused = fused_fits(topk, splits)
-        bulk = takes_bulk(bulk_ok, splits, rows * num_kv_heads * splits, sms)
+        bulk, config = gather_choice(head_dim, splits, rows * num_kv_heads * splits, sms, bulk_ok)
         if not fused:
             plans.append(slot_plan(page_size, False, entries))
-        config = default_config(head_dim, splits, bulk)
         plans.append(decode_plan(group, head_dim, splits, fused, bulk, config))
     return list(dict.fromkeys(plans))
 

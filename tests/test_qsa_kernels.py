@@ -28,8 +28,7 @@ def _launched(rows: int, hq: int, hkv: int, topk: int, combined: bool) -> tuple[
         1 if qsa.use_fp8_decode_kernel(rows * hkv, torch.uint8) else qk.split_count(rows, hkv, topk)
     )
     cluster = splits if splits > 1 else 0
-    bulk = qk.takes_bulk(combined, cluster, rows * hkv * splits, SMS)
-    return splits, bulk, qk.default_config(128, cluster, bulk)
+    return splits, *qk.gather_choice(128, cluster, rows * hkv * splits, SMS, combined)
 
 
 def test_issue_calls_take_the_measured_kernels():
