@@ -57,14 +57,17 @@ from .qsa_ref import qsa_decode_torch
 
 OP = "qsa"
 WORKLOADS = "qsa_workloads.json"
-# Opt-in flips, read per call (and part of the replay key); tools/bench_qsa.py --lean
-# compares them with the shipped path. PDL: launch every kernel as a programmatic
+# Launch choices, read per call (and part of the replay key); tools/bench_qsa.py --lean
+# compares them with the alternatives. PDL: launch every kernel as a programmatic
 # dependent launch (a kernel's launch and shared-memory setup overlap the previous
 # kernel's tail). SLOT_ENTRIES_PER_THREAD: slot-pass entries per thread (1, 2, 4 or 8; a
 # thread's loads are all in flight at once, so more entries mean fewer threads waiting
-# out the same two round trips).
+# out the same two round trips). H200, graph replay: 4 entries 0.3-1 % faster than 1 at
+# rows 512 / 2048 / 256 (239.3 vs 240.9, 473.6 vs 478.3, 411.5 vs 412.2 us); PDL another
+# 0.5-1 % there and 3 % at rows=4 (13.4 vs 13.9), but it launches outside the engine with
+# a launch config built per call (more host time per eager call), so it stays opt-in.
 PDL = False
-SLOT_ENTRIES_PER_THREAD = 1
+SLOT_ENTRIES_PER_THREAD = 4
 
 
 # -- the launches ----------------------------------------------------------------------------

@@ -97,12 +97,13 @@ def test_warmup_plans_are_what_the_dispatcher_launches(monkeypatch, hq, hkv, d, 
     seen = set()
     kernel = FakeKernel([])
     monkeypatch.setattr(qk.KernelFamily, "get", lambda f, p, device: seen.add((f, p)) or kernel)
-    plans = qk.dispatch_plans(hq // hkv, d, 64, hkv, topk, combined and d == 128, SMS, 1)
+    entries = qsa.SLOT_ENTRIES_PER_THREAD
+    plans = qk.dispatch_plans(hq // hkv, d, 64, hkv, topk, combined and d == 128, SMS, entries)
     for rows in range(1, -(-qk.DECODE_MIN_PROGRAMS // hkv) + 1):
         args = qsa_args(rows=rows, hq=hq, hkv=hkv, d=d, page=64, topk=topk, combined=combined)
         qsa._decode_launch(*list(args.values())[:8], qsa.split_count(rows, hkv, topk))
     assert seen == set(plans)
-    prebuilt = {s.label for s in qk.all_specs(hq // hkv, d, 64, 1)}
+    prebuilt = {s.label for s in qk.all_specs(hq // hkv, d, 64, entries)}
     assert {f.spec(p).label for f, p in plans} <= prebuilt
 
 

@@ -27,6 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashinfer_jit.mqa_logits as mq  # noqa: E402
 from flashinfer_jit.mqa_logits_tma import tma_config  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_util import warm_gpu  # noqa: E402
+
 from jit_kernels import KernelUnavailable  # noqa: E402
 
 BW = 4.24e12  # measured device-to-device copy bandwidth (bytes read + written per second)
@@ -274,6 +278,7 @@ def pool_probe(reps: int) -> None:
 
 
 def sweep(reps: int) -> None:
+    warm_gpu()
     gen = torch.Generator().manual_seed(0)
     names = [vname(v) for v in SWEEP_VARIANTS]
     table = []
@@ -318,6 +323,7 @@ def main() -> None:
         args.reps = min(args.reps, 100)
     gen = torch.Generator().manual_seed(0)
     torch.cuda.init()
+    warm_gpu()
     print(
         f"device: {torch.cuda.get_device_name()}  SMs: {torch.cuda.get_device_properties(0).multi_processor_count}"
     )

@@ -36,6 +36,9 @@ from flashinfer_jit._jit import cuda_device_index, kernel_family  # noqa: E402
 from flashinfer_jit.qsa_ref import qsa_decode_torch  # noqa: E402
 from jit_kernels import current_stream  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_util import warm_gpu  # noqa: E402
+
 BANDWIDTH = 4.24e6  # bytes per microsecond (measured device-to-device copy on the H200)
 PAGE, HEAD_DIM = 64, 128
 # (rows, Hq, Hkv, topk) -> (Triton µs, target µs) from FACTS.md / the issue.
@@ -401,6 +404,7 @@ def main() -> None:
     if opts.ncu_one:
         ncu_one(opts.gib, opts.splits)
         return
+    warm_gpu()
     print(
         f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
         f"copy {copy_bandwidth():.2f} TB/s (read + write)"
