@@ -65,9 +65,10 @@ WORKLOADS = "qsa_workloads.json"
 # out the same two round trips). H200, graph replay: 4 entries 0.3-1 % faster than 1 at
 # rows 512 / 2048 / 256 (239.3 vs 240.9, 473.6 vs 478.3, 411.5 vs 412.2 us); PDL another
 # 0.5-1 % there and 3 % at rows=4 (13.4 vs 13.9), but it launches outside the engine with
-# a launch config built per call (more host time per eager call), so it stays opt-in.
+# a launch config built per call (more host time per eager call). Both stay opt-in: the
+# whole GPU suite and memcheck ran with neither (gains within run-to-run noise).
 PDL = False
-SLOT_ENTRIES_PER_THREAD = 4
+SLOT_ENTRIES_PER_THREAD = 1
 
 
 # -- the launches ----------------------------------------------------------------------------

@@ -291,7 +291,7 @@ def test_qsa_changes_the_checks_refuse_miss(qsa_stub, monkeypatch):
     for args, exc in bad.values():
         with pytest.raises(exc):
             qsa.qsa_sparse_paged_decode(**args)
-    monkeypatch.setattr(qsa, "SLOT_ENTRIES_PER_THREAD", 8)  # a flip of a launch choice
+    monkeypatch.setattr(qsa, "SLOT_ENTRIES_PER_THREAD", 4)  # an opt-in flip
     assert stub.runs(lambda: qsa.qsa_sparse_paged_decode(**base)) == 1
     for name in SWITCHES:
         monkeypatch.setenv(name, "1")
