@@ -11,8 +11,14 @@ import torch
 import flashinfer_jit.mqa_logits as mq
 from flashinfer_jit._jit import BUILDER
 from flashinfer_jit.mqa_logits_checks import SMEM_LIMIT, STATIC_SMEM, reg_cap
-from flashinfer_jit.mqa_logits_tma import tma_config, tma_family, tma_regs, tma_smem_bytes
-from jit_kernels import compile_cubin, render
+from flashinfer_jit.mqa_logits_tma import (
+    tma_config,
+    tma_family,
+    tma_regs,
+    tma_smem_bytes,
+    tma_threads,
+)
+from jit_kernels import KernelUnavailable, compile_cubin, render
 
 from .test_mqa_logits import EDGE_LENS, _sass, assert_close, make_inputs, reference, run_and_check
 
@@ -38,6 +44,74 @@ def test_cubin_uses_tma_and_wgmma_without_spills(next_n, heads, block, tmp_path)
     assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills: {res}"
     assert "UTMALDG.3D" in sass and "QGMMA" in sass
     assert not spec.supports("sm_100a")
+
+
+class _FakeKernel:
+    name = "fake"
+
+    def blocks_per_sm(self, threads, smem):
+        return 1
+
+
+@pytest.fixture
+def picked(monkeypatch):
+    """Records which family/params the dispatcher asks for (no CUDA needed)."""
+    got = []
+
+    def fake_get(family, fail=False):
+        def get(params, device):
+            got.append((family.family, params))
+            if fail:
+                raise KernelUnavailable("not prebuilt")
+            return _FakeKernel()
+
+        return get
+
+    monkeypatch.setattr(mq, "sm_count", lambda device: 132)
+    monkeypatch.setattr(mq._logits_family, "get", fake_get(mq._logits_family))
+    monkeypatch.setattr(mq.tma_family, "get", fake_get(mq.tma_family))
+    mq._plans.clear()
+    yield got, lambda: monkeypatch.setattr(mq.tma_family, "get", fake_get(mq.tma_family, True))
+    mq._plans.clear()
+
+
+@pytest.mark.parametrize(
+    "cap,dim,override,family",
+    [
+        ((9, 0), 128, None, "mqa_logits_tma"),
+        ((10, 0), 128, None, "mqa_logits"),  # sm_100: the portable ring
+        ((9, 0), 96, None, "mqa_logits"),  # other head dims: the ring
+        ((9, 0), 128, (3, 0, False, True), "mqa_logits"),  # a forced ring config
+        ((9, 0), 128, ("tma", 2, 0, 2, 1, 0), "mqa_logits_tma"),
+    ],
+)
+def test_dispatch_picks_the_tma_kernel_where_it_applies(
+    picked, monkeypatch, cap, dim, override, family
+):
+    got, _ = picked
+    monkeypatch.setattr(mq, "capability", lambda device: cap)
+    monkeypatch.setattr(mq, "_config_override", override)
+    f32 = torch.float32
+    plan = mq._plan((256, 2, 64, dim, 64), f32, f32, f32, 0)
+    assert got[-1][0] == family
+    if family == "mqa_logits_tma":
+        config = tma_config(128) if override is None else (2, got[-1][1][8], 2, 1)
+        assert got[-1][1] == (2, 64, dim, 64, f32, f32, f32, *config, 0)
+        assert plan[2] == (tma_threads(config[0], config[2]), 1, 1)
+        assert plan[3] == tma_smem_bytes(128, config[0], config[1], config[3])
+        assert plan[5] is not None  # the per-pool tensor map argument
+    else:
+        assert plan[5] is None
+
+
+def test_dispatch_falls_back_to_the_ring_when_the_tma_kernel_is_missing(picked, monkeypatch):
+    got, tma_missing = picked
+    tma_missing()
+    monkeypatch.setattr(mq, "capability", lambda device: (9, 0))
+    f32 = torch.float32
+    plan = mq._plan((256, 1, 64, 128, 64), f32, f32, f32, 0)
+    assert [f for f, _ in got] == ["mqa_logits_tma", "mqa_logits"]
+    assert plan[5] is None
 
 
 # -- GPU ----------------------------------------------------------------------------------
