@@ -3,7 +3,8 @@
 //   out[b*NEXT_N + t, pos] = scale[pos] * sum_h w[b*NEXT_N + t, h] * relu(q[b,t,h,:] . k[pos,:])
 //
 // Design. A persistent CTA (one per SM) owns a contiguous run of 64-token tiles of the
-// request-major tile list (see mqa_logits_util.cuh). Two forms:
+// request-major tile list (see mqa_logits_util.cuh). (On sm_90a at head_dim 128 the
+// dispatcher runs the TMA form instead, mqa_logits_tma.cuh.) Two forms here:
 //  - RING (the default): a producer warp streams the tiles into a shared-memory ring
 //    with cp.async.bulk + mbarriers and WGS consumer warpgroups take them round-robin
 //    (mqa_logits_ring.cuh); the consumers read their K fragments from shared memory.

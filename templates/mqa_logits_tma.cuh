@@ -2,11 +2,12 @@
 // operands come straight from shared memory, so a consumer warpgroup spends its issue
 // slots on the epilogue, not on moving K into registers.
 //
-//   * K: a producer warp streams each 64-token tile into a ring stage with the tensor
-//     memory accelerator (cp.async.bulk.tensor through a host-built tensor map over the
-//     fused pool viewed as [num_blocks][block_size][128] bytes, 128-byte swizzle), which
-//     lays the rows out as wgmma's K-major SW128 operand; the tile's fp32 scales follow
-//     with a plain bulk copy. Same ring, barriers and tile order as mqa_logits_ring.cuh.
+//   * K: producer warps (one per consumer warpgroup, each feeding its tiles) stream each
+//     64-token tile into a ring stage with the tensor memory accelerator
+//     (cp.async.bulk.tensor through a host-built tensor map over the fused pool viewed as
+//     [num_blocks][block_size][128] bytes, 128-byte swizzle), which lays the rows out as
+//     wgmma's K-major SW128 operand; the tile's fp32 scales follow with a plain bulk copy.
+//     Same ring, barriers and tile order as mqa_logits_ring.cuh.
 //   * Q: each consumer warpgroup keeps QBUF SW128 Q buffers (+ weights). With two, when it
 //     starts a request it prefetches the next request's Q with cp.async into the other
 //     buffer, so a request change costs a barrier, not a global-memory round trip; with
