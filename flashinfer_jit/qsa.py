@@ -64,9 +64,9 @@ WORKLOADS = "qsa_workloads.json"
 # thread's loads are all in flight at once, so more entries mean fewer threads waiting
 # out the same two round trips). H200, graph replay: 4 entries 0.3-1 % faster than 1 at
 # rows 512 / 2048 / 256 (239.3 vs 240.9, 473.6 vs 478.3, 411.5 vs 412.2 us); PDL another
-# 0.5-1 % there and 3 % at rows=4 (13.4 vs 13.9), but it launches outside the engine with
-# a launch config built per call (more host time per eager call). Both stay opt-in: the
-# whole GPU suite and memcheck ran with neither (gains within run-to-run noise).
+# 0.4-0.9 % there and 3 % at rows=4 (13.4 vs 13.9), but LoadedKernel.launch_programmatic
+# builds its launch config per call (more host time per eager call). Both stay opt-in:
+# the whole GPU suite and memcheck ran with neither (gains within run-to-run noise).
 PDL = False
 SLOT_ENTRIES_PER_THREAD = 1
 

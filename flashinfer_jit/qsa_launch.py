@@ -9,53 +9,19 @@ same ``run``.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
 from jit_kernels import LoadedKernel, current_stream
 
 LOG2E = 1.4426950408889634  # the decode takes softmax_scale * log2(e) (it uses exp2)
-_smem_allowed: dict[int, int] = {}  # id(kernel) -> dynamic smem bytes allowed (launch_pdl)
-
-
-def launch_pdl(
-    kernel: LoadedKernel,
-    grid: tuple[int, int, int],
-    block: tuple[int, int, int],
-    stream: int,
-    args: Sequence,
-    smem: int = 0,
-) -> None:
-    """``kernel.launch`` as a programmatic dependent launch: the grid may be scheduled while
-    the stream's previous kernel finishes; every QSA kernel waits for that kernel's results
-    (griddepcontrol.wait) before its first global access. The opt-in ``qsa.PDL``: it builds
-    a CUlaunchConfig per call (host cost), which the engine's launch would cache on
-    adoption."""
-    from cuda.bindings import driver
-
-    if smem > 48 * 1024 and _smem_allowed.get(id(kernel), 0) < smem:
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        (err,) = driver.cuFuncSetAttribute(kernel.function, attr, smem)
-        if int(err):
-            raise RuntimeError(f"{kernel.name}: dynamic shared memory {smem}: {err!r}")
-        _smem_allowed[id(kernel)] = smem
-    attribute = driver.CUlaunchAttribute()
-    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attribute.value.programmaticStreamSerializationAllowed = 1
-    config = driver.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = grid
-    config.blockDimX, config.blockDimY, config.blockDimZ = block
-    config.sharedMemBytes, config.hStream = smem, driver.CUstream(stream)
-    config.attrs, config.numAttrs = [attribute], 1
-    (err,) = driver.cuLaunchKernelEx(config, kernel.function, kernel.packer.pack(args), 0)
-    if int(err):
-        raise RuntimeError(f"launching {kernel.name} (programmatic) failed: {err!r}")
 
 
 def _launcher(kernel: LoadedKernel, pdl: bool) -> Callable:
-    return functools.partial(launch_pdl, kernel) if pdl else kernel.launch
+    # PDL (opt-in qsa.PDL): every QSA kernel waits for the previous kernel's results
+    # (griddepcontrol.wait) before its first global access, so it may be launched early.
+    return kernel.launch_programmatic if pdl else kernel.launch
 
 
 class SlotPass:

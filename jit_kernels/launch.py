@@ -159,6 +159,38 @@ class LoadedKernel:
         if err:
             raise LaunchError(f"launching {self.name} on cuda:{self.device} failed: {err!r}")
 
+    def launch_programmatic(
+        self,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        stream: int,
+        args: Sequence,
+        smem: int = 0,
+    ) -> None:
+        """``launch`` as a programmatic dependent launch: the grid may be scheduled while
+        the stream's previous kernel finishes, so the kernel must wait for that kernel's
+        results itself (``griddepcontrol.wait``) before reading them. Builds its
+        CUlaunchConfig per call (more host time than ``launch``)."""
+        from cuda.bindings import driver
+
+        if smem > self._smem_limit:
+            self._allow_smem(smem)
+        attribute = driver.CUlaunchAttribute()
+        attribute.id = (
+            driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        )
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes, config.hStream = smem, driver.CUstream(stream)
+        config.attrs, config.numAttrs = [attribute], 1
+        (err,) = driver.cuLaunchKernelEx(config, self.function, self.packer.pack(args), 0)
+        if int(err):
+            raise LaunchError(
+                f"launching {self.name} (programmatic) on cuda:{self.device} failed: {err!r}"
+            )
+
 
 def current_stream(device: int) -> int:
     """The raw handle of torch's current stream on ``device`` (what torch ops use)."""

@@ -297,20 +297,11 @@ GRAPH_RUNS = {
 def test_gpu_cuda_graph(rows, run, strict):
     """Capture once, replay with fresh inputs copied into the static buffers. rows=40 on the
     combined cache (bulk copies; its 2-split clusters fill more than one CTA per SM)."""
-    case = make_case(
-        rows=rows,
-        hq=64,
-        hkv=4,
-        d=128,
-        page=64,
-        topk=256,
-        width=8,
-        num_blocks=48,
-        num_requests=4,
-        device="cuda",
-        seed=2,
-        combined=rows == 40,
-    )
+    shape = dict(
+        rows=rows, hq=64, hkv=4, d=128, page=64, topk=256, width=8, num_blocks=48,
+        num_requests=4, device="cuda", combined=rows == 40,
+    )  # fmt: skip
+    case = make_case(**shape, seed=2)
     fn = lambda *args: GRAPH_RUNS[run](args)  # noqa: E731
     fn(*args_of(case))  # compile and load outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -322,20 +313,7 @@ def test_gpu_cuda_graph(rows, run, strict):
             fn(*args_of(case))
     torch.cuda.current_stream().wait_stream(stream)
     for seed in (99, 100):  # replays twice with fresh inputs in the static buffers
-        fresh = make_case(
-            rows=rows,
-            hq=64,
-            hkv=4,
-            d=128,
-            page=64,
-            topk=256,
-            width=8,
-            num_blocks=48,
-            num_requests=4,
-            device="cuda",
-            seed=seed,
-            combined=rows == 40,
-        )
+        fresh = make_case(**shape, seed=seed)
         for key in (
             "q",
             "k_cache",
