@@ -69,6 +69,13 @@ WORKLOADS = "qsa_workloads.json"
 # the whole GPU suite and memcheck ran with neither (gains within run-to-run noise).
 PDL = False
 SLOT_ENTRIES_PER_THREAD = 1
+# Single-pass loop forms (opt-in until timed on the H200; sm_90a SASS per 16-token chunk
+# in the commit that added them). TMMA: groups of <= 8 query heads take the chunk's tokens
+# as the MMAs' rows (half the MMAs, exponentials and accumulators: no padding heads).
+# LEAN_LOOP: the loop's per-thread invariants stay in registers and the stages advance by
+# counters (about 20 fewer instructions a chunk).
+TMMA = False
+LEAN_LOOP = False
 
 
 # -- the launches ----------------------------------------------------------------------------
@@ -124,11 +131,13 @@ def _decode_launch(
     bulk: bool | None = None,
     pdl: bool | None = None,
     slot_entries: int | None = None,
+    tmma: bool | None = None,
+    lean: bool | None = None,
 ) -> DecodeLaunch:
     """What ``_run_kernels`` launches (nothing is launched here): a repeat call replays it.
-    ``config`` (warps, stages, min CTAs), ``bulk`` (the gather), ``pdl`` and
-    ``slot_entries`` override the shipped choices (None: the shipped ones, PDL and
-    SLOT_ENTRIES_PER_THREAD as flipped)."""
+    ``config`` (warps, stages, min CTAs), ``bulk`` (the gather), ``pdl``, ``slot_entries``
+    and the single pass's ``tmma`` and ``lean`` loops override the shipped choices (None:
+    the shipped ones, PDL, SLOT_ENTRIES_PER_THREAD, TMMA and LEAN_LOOP as flipped)."""
     rows, num_q_heads, head_dim = q.shape
     num_blocks, page_size, num_kv_heads, _ = k_cache.shape
     topk = logical_indices.shape[1] - 1
@@ -154,8 +163,10 @@ def _decode_launch(
     bulk, config = gather_choice(
         head_dim, cluster, grid_ctas, sm_count(device), bulk_ok, bulk, config
     )
+    tmma = TMMA if tmma is None else bool(tmma)
+    lean = LEAN_LOOP if lean is None else bool(lean)
     family, params = decode_plan(
-        num_q_heads // num_kv_heads, head_dim, cluster, fused, bulk, config
+        num_q_heads // num_kv_heads, head_dim, cluster, fused, bulk, config, tmma, lean
     )
     slot_pass = None
     if not fused:
@@ -301,7 +312,7 @@ def _call(q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, 
             out.shape, out.stride(), out.dtype, out.get_device(),
             output_gate.shape, output_gate.stride(), output_gate.dtype, output_gate.get_device(),
             type(softmax_scale), softmax_scale, type(output_scale), output_scale, dispatch,
-            PDL, SLOT_ENTRIES_PER_THREAD,
+            PDL, SLOT_ENTRIES_PER_THREAD, TMMA, LEAN_LOOP,
         )
         launch = _replays.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
@@ -416,6 +427,8 @@ def warmup_qsa_fp8_decode(
         _bulk_ok(k_cache, v_cache, device),
         sm_count(device),
         SLOT_ENTRIES_PER_THREAD,
+        TMMA,
+        LEAN_LOOP,
     )
     for family, params in plans:
         family.get(params, device)
@@ -430,5 +443,9 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
         for head_dim in entry["head_dims"]:
             for group in entry["group_sizes"]:
                 for page_size in entry["page_sizes"]:
-                    specs.update(all_specs(int(group), int(head_dim), int(page_size), entries))
+                    specs.update(
+                        all_specs(
+                            int(group), int(head_dim), int(page_size), entries, TMMA, LEAN_LOOP
+                        )
+                    )
     return sorted(specs, key=str)

@@ -59,6 +59,7 @@ BULK_CLUSTER = (4, 2, 4)
 # _MIN_CHUNKS_PER_SPLIT chunks. DECODE_MIN_PROGRAMS: rows * Hkv from which one pass runs
 # (the measured crossover; see qsa.use_fp8_decode_kernel).
 CLUSTER_SIZES = (2, 4, 8)
+TMMA_MAX_GROUP = 8  # tokens as MMA rows: the group fills the MMA's 8 columns
 CLUSTER_SLOT_CAP = 1024
 DECODE_MIN_PROGRAMS = 2048
 _SPLIT_TARGET_CTAS = 256
@@ -85,6 +86,14 @@ decode_family = kernel_family(
     "qsa_decode.cuh",
     "fij_qsa::qsa_decode",
     (*_DECODE_PARAMS, "bulk"),
+    _DECODE_SIGNATURE,
+)
+# The single pass in an opt-in loop form (qsa.TMMA, qsa.LEAN_LOOP; decode_plan).
+decode_form_family = kernel_family(
+    "qsa_decode_form",
+    "qsa_decode.cuh",
+    "fij_qsa::qsa_decode_form",
+    (*_DECODE_PARAMS, "bulk", "tmma", "lean"),
     _DECODE_SIGNATURE,
 )
 cluster_family = kernel_family(
@@ -183,10 +192,22 @@ def slot_plan(page_size: int, order: bool, entries: int) -> Plan:
 
 
 def decode_plan(
-    group: int, head_dim: int, cluster: int, fused: bool, bulk: bool, config: Config
+    group: int,
+    head_dim: int,
+    cluster: int,
+    fused: bool,
+    bulk: bool,
+    config: Config,
+    tmma: bool = False,
+    lean: bool = False,
 ) -> Plan:
-    """The decode kernel of a single pass (``cluster`` 0) or of a cluster split-K."""
+    """The decode kernel of a single pass (``cluster`` 0) or of a cluster split-K. The single
+    pass's opt-in loop forms: ``tmma``, tokens as the MMAs' rows (groups of at most 8
+    heads; ignored above); ``lean``, loop invariants kept in registers."""
     if not cluster:
+        tmma = tmma and group <= TMMA_MAX_GROUP
+        if tmma or lean:
+            return decode_form_family, (group, head_dim, *config, bulk, tmma, lean)
         return decode_family, (group, head_dim, *config, bulk)
     return cluster_family, (group, head_dim, *config, cluster, CLUSTER_SLOT_CAP * fused, bulk)
 
@@ -200,13 +221,16 @@ def dispatch_plans(
     bulk_ok: bool,
     sms: int,
     entries: int,
+    tmma: bool = False,
+    lean: bool = False,
 ) -> list[Plan]:
     """Every kernel the dispatcher and the single-pass function launch for calls of this
-    geometry, whatever their row count: the single pass with its ordered slot pass, and
-    the cluster split-K of each row count below DECODE_MIN_PROGRAMS / Hkv."""
+    geometry, whatever their row count: the single pass (its loop form as ``tmma`` and
+    ``lean`` flip it) with its ordered slot pass, and the cluster split-K of each row count
+    below DECODE_MIN_PROGRAMS / Hkv."""
     single = default_config(head_dim, 0, bulk_ok)
     plans = [slot_plan(page_size, True, entries)]
-    plans.append(decode_plan(group, head_dim, 0, False, bulk_ok, single))
+    plans.append(decode_plan(group, head_dim, 0, False, bulk_ok, single, tmma, lean))
     for rows in range(1, -(-DECODE_MIN_PROGRAMS // num_kv_heads)):
         splits = split_count(rows, num_kv_heads, topk) if topk else 1
         if splits == 1:
@@ -219,14 +243,16 @@ def dispatch_plans(
     return list(dict.fromkeys(plans))
 
 
-def all_specs(group: int, head_dim: int, page_size: int, entries: int) -> list[KernelSpec]:
+def all_specs(
+    group: int, head_dim: int, page_size: int, entries: int, tmma: bool = False, lean: bool = False
+) -> list[KernelSpec]:
     """Every specialization the dispatcher can launch for this geometry on any cache, row
-    count and TOPK (prebuild)."""
+    count and TOPK (prebuild), the single pass in the loop form ``tmma``/``lean`` pick."""
     bulks = (False, True) if head_dim == 128 else (False,)
     plans = [slot_plan(page_size, order, entries) for order in (True, False)]
     for bulk in bulks:
         single = default_config(head_dim, 0, bulk)
-        plans.append(decode_plan(group, head_dim, 0, False, bulk, single))
+        plans.append(decode_plan(group, head_dim, 0, False, bulk, single, tmma, lean))
         for cluster in CLUSTER_SIZES:
             config = default_config(head_dim, cluster, bulk)
             for fused in (True, False):

@@ -3,6 +3,7 @@
 #pragma once
 #include "qsa_bulk.cuh"
 #include "qsa_slots.cuh"
+#include "qsa_tmma.cuh"
 #include "qsa_util.cuh"
 
 namespace fij_qsa {
@@ -38,13 +39,21 @@ namespace fij_qsa {
 // deals chunk c to split c % CLUSTER (placed without the count, so its fused index loads
 // go out with the count load) and holds the gate in registers when every thread merges at
 // most one output piece. (The H200 sweep behind these choices: flashinfer_jit/qsa_kernels.py.)
-template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP, bool BULK>
+// TMMA (GROUP <= 8): the MMAs take the chunk's 16 tokens as their rows and the heads as
+// the 8 columns (qsa_tmma.cuh): half the MMAs, exponentials and accumulators; Q is a B
+// operand held in registers.
+// LEAN: the loop's per-thread invariants (stage offsets, slot pointer) are computed once
+// and kept in registers (pinned: ptxas otherwise recomputes them from threadIdx in every
+// iteration) and the stages advance by counters instead of k % NUM_STAGES.
+template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP, bool BULK,
+          bool TMMA, bool LEAN>
 __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head dim");
   static_assert(GROUP >= 1 && GROUP <= 16, "group size");
   static_assert(NUM_STAGES >= 2 && NUM_STAGES <= 8, "stages (validity ring holds 8)");
   static_assert(!BULK || HEAD_DIM == 128, "bulk stages are laid out for D = 128");
   static_assert(SLOT_CAP == 0 || CLUSTER > 0, "in-kernel slots: clusters only");
+  static_assert(!TMMA || GROUP <= 8, "tokens as MMA rows: the heads fill 8 columns");
   constexpr bool SINGLE = CLUSTER == 0;
   constexpr int NS = SINGLE ? 1 : CLUSTER;  // splits of a (row, kv head)
   constexpr int NG = HEAD_DIM / 64;       // 64-dim groups of a K row: one 16-B piece per quad lane
@@ -60,19 +69,22 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   constexpr int KP = HEAD_DIM / 16;       // 16-byte pieces of a K row
   // K smem swizzle: D >= 128 rows are whole bank sweeps, so odd rows flip piece bit 2.
   auto kswz = [](int r) { return HEAD_DIM >= 128 ? (r & 1) << 2 : 0; };
-  constexpr bool Q_SMEM = q_in_smem(HEAD_DIM, NUM_WARPS, MIN_CTAS);
-  constexpr int Q_U4 = Q_SMEM ? NG * 4 * 32 : 0;  // the head's Q fragments
+  // (TMMA keeps Q's 16 B-operand registers: its accumulator is half as large.)
+  constexpr bool Q_SMEM = !TMMA && q_in_smem(HEAD_DIM, NUM_WARPS, MIN_CTAS);
+  // The head's Q fragments; the area is laid out whenever q_in_smem (TMMA leaves it unused).
+  constexpr int Q_U4 = Q_SMEM ? NG * 4 * 32 : 0;
   constexpr int THREADS = NUM_WARPS * 32, PIECES = HEAD_DIM / 8;
   constexpr int SB = stage_bytes(HEAD_DIM, BULK);
   using Smem = DecodeSmem<HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, CLUSTER, SLOT_CAP, BULK>;
-  static_assert(Smem::kQBytes == Q_U4 * 16, "smem layout");
+  constexpr int Q_AREA = Smem::kQBytes / 16;
+  static_assert(Smem::kQBytes == Q_U4 * 16 || (TMMA && Q_U4 == 0), "smem layout");
 
   extern __shared__ uint4 smem[];
   unsigned char* const smem_bytes = reinterpret_cast<unsigned char*>(smem);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   uint4* const qsm = smem;  // Q fragments (Q_SMEM)
-  uint4* const wbase = smem + Q_U4 + warp * NUM_STAGES * STAGE_U4 * 32;
+  uint4* const wbase = smem + Q_AREA + warp * NUM_STAGES * STAGE_U4 * 32;
   const unsigned wstage = smem_u32(smem_bytes + Smem::kQBytes + warp * NUM_STAGES * SB);
   const unsigned bars = smem_u32(smem_bytes + Smem::kQBytes + Smem::kMainBytes) + warp * NUM_STAGES * 8;
   if constexpr (BULK) {
@@ -131,6 +143,10 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   // ---- per-warp pipeline (its first copies go out before Q is loaded: they overlap) ----
   const int my_n = n_local > warp ? (n_local - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
   const int* const srow = slots + (long long)row * slot_columns;
+  auto keep = [](int x) { return LEAN ? pinned(x) : x; };
+  // LEAN: this lane's slot entry of the warp's first chunk; chunk k is kSlotStride further.
+  constexpr int kSlotStride = NS * NUM_WARPS * kChunk;
+  const int* const slot0 = srow + keep(chunk_of(warp) * kChunk + (lane & 15));
   const unsigned char* const kbase = k_cache + (unsigned long long)kvh * k_head;
   const unsigned char* const vrow0 = v_cache + (unsigned long long)kvh * v_head;
   const unsigned char* const vbase = vrow0 + SPAN * g;
@@ -142,6 +158,8 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
     const int m = warp + k * NUM_WARPS;
     if constexpr (SLOT_CAP > 0) {
       return slot_list[m * kChunk + (lane & 15)];
+    } else if constexpr (LEAN) {
+      return __ldg(slot0 + k * kSlotStride);
     } else {
       return __ldg(srow + chunk_of(m) * kChunk + (lane & 15));
     }
@@ -162,7 +180,15 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
         (unsigned long long)(s >> offset_bits) * blk + (unsigned long long)(s & offset_mask) * tok;
     return base + off;
   };
-  // Issue chunk k's copies into its stage; returns its 4 V-token validity bits.
+  // The validity bits of the tokens whose scores this thread holds: 2t, 2t+1, 2t+8, 2t+9
+  // of a 16-token ballot (TMMA: tokens g, g + 8).
+  const int bit_shift = keep(TMMA ? g : 2 * t);  // this thread's first token of the chunk
+  auto score_bits = [&](unsigned vm) -> unsigned {
+    vm >>= bit_shift;
+    if constexpr (TMMA) return (vm & 1u) | ((vm >> 7) & 2u);
+    else return (vm & 3u) | ((vm >> 6) & 0xcu);
+  };
+  // Issue a chunk's copies into stage s; returns its score_bits.
   // K: instruction i copies 16-byte piece (32i + lane) % KP of token row (32i + lane) / KP,
   // so a warp instruction reads whole 128-byte lines (D >= 128; reading 64 of a row's 128
   // bytes per instruction, as before, doubled the L2 requests). Rows land in shared memory at
@@ -170,17 +196,17 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   // (The half-line reads were the likely reason for ncu's 87% L2 busy at 51% DRAM.)
   // BULK: lanes 0-15 copy their token's K and V rows (256 bytes, V right after K) with one
   // cp.async.bulk each; the stage's mbarrier expects the valid tokens' bytes.
-  auto issue = [&](int k, int sl) -> unsigned {
+  const unsigned copy_dst = keep(wstage + bulk_row(lane & 15));  // BULK: this lane's row of stage 0
+  auto issue = [&](int s, int sl) -> unsigned {
     if constexpr (BULK) {
-      const int s = k % NUM_STAGES;
-      const unsigned st = wstage + s * SB, bar = bars + 8 * s;
+      const unsigned bar = bars + 8 * s;
       const bool ok = sl >= 0;
       const unsigned vm = __ballot_sync(kFull, ok) & 0xffffu;  // also: every lane is done with the stage
       if (lane == 0) mbar_arrive_expect(bar, __popc(vm) * 2 * HEAD_DIM);
-      if (lane < 16 && ok) bulk_copy(st + bulk_row(lane), token_ptr(kbase, sl, k_block, k_token), 2 * HEAD_DIM, bar);
-      return ((vm >> (2 * t)) & 3u) | (((vm >> (2 * t + 8)) & 3u) << 2);
+      if (lane < 16 && ok) bulk_copy(copy_dst + s * SB, token_ptr(kbase, sl, k_block, k_token), 2 * HEAD_DIM, bar);
+      return score_bits(vm);
     } else {
-      const unsigned st = smem_u32(wbase + (k % NUM_STAGES) * STAGE_U4 * 32);
+      const unsigned st = smem_u32(wbase + s * STAGE_U4 * 32);
 #pragma unroll
       for (int i = 0; i < KU; ++i) {
         const int flat = 32 * i + lane, r = flat / KP, piece = flat % KP;
@@ -203,13 +229,15 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
           for (int p = 0; p < VG; ++p) cp_async16(vst + ((tau * VG + p) * 32 + lane) * 16, src + 128 * p, ok);
         }
       }
-      return bits;
+      if constexpr (TMMA) return score_bits(__ballot_sync(kFull, sl >= 0) & 0xffffu);
+      else return bits;
     }
   };
 
-  float acc[NT][4];
+  constexpr int NACC = TMMA ? NT / 2 : NT;  // accumulator tiles: n8 (heads as rows) or m16 (TMMA)
+  float acc[NACC][4];
 #pragma unroll
-  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  for (int i = 0; i < NACC; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   const float neg_inf = __int_as_float(0xff800000);
   float m0 = neg_inf, m1 = neg_inf, l0 = 0.f, l1 = 0.f;
 
@@ -236,6 +264,18 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   float row_scale0, row_scale1;  // score_scale_log2 / (q scale) of rows g and g + 8
   q_fragments<GROUP, NG>(q + (long long)row * q_row + head0 * q_head, q_head, g, t, score_scale_log2, qreg,
                          row_scale0, row_scale1);
+  // TMMA: the B fragments of head g (rows g + 8 are padding) and the scales of the score
+  // columns, heads 2t and 2t + 1.
+  uint2 qcol[NG][4];
+#pragma unroll
+  for (int G = 0; G < NG; ++G)
+#pragma unroll
+    for (int u = 0; u < 4; ++u) qcol[G][u] = make_uint2(qreg[G][u].x, qreg[G][u].z);
+  if constexpr (TMMA) {
+    const float head_scale = row_scale0;
+    row_scale0 = __shfl_sync(kFull, head_scale, 8 * t);
+    row_scale1 = __shfl_sync(kFull, head_scale, 8 * t + 4);
+  }
   if constexpr (Q_SMEM) {
     if (warp == 0) {
 #pragma unroll
@@ -246,124 +286,151 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
     __syncthreads();
   }
   // Bulk stages (D = 128): this thread's K rows g, 8 + g (piece t) and V rows 2t + c (+8).
-  const int krow = BULK ? bulk_row(g) + 16 * t : 0;
-  const int vrow[2] = {BULK ? bulk_row(2 * t) + HEAD_DIM + 16 * g : 0,
-                       BULK ? bulk_row(2 * t + 1) + HEAD_DIM + 16 * g : 0};
+  const int krow = keep(BULK ? bulk_row(g) + 16 * t : 0);
+  const int vrow[2] = {keep(BULK ? bulk_row(2 * t) + HEAD_DIM + 16 * g : 0),
+                       keep(BULK ? bulk_row(2 * t + 1) + HEAD_DIM + 16 * g : 0)};
 
+  // The 16-byte K piece 4G + t of token row 8j + g in a stage (see issue).
+  auto k_piece = [&](const uint4* st, const unsigned char* bst, int j, int G) -> uint4 {
+    const int r = 8 * j + g;
+    if constexpr (BULK) return *reinterpret_cast<const uint4*>(bst + krow + 512 * j + 64 * G);
+    else return st[r * KP + ((4 * G + t) ^ kswz(r))];
+  };
+  // V word w (dims 4w..4w+3 of this lane's span) of tokens 2t, 2t+1, 2t+8, 2t+9, transposed
+  // with prmt into f16x2 pairs: b[i][h] = dim 4w + i of tokens 2t + 8h, 2t + 8h + 1.
+  auto v_frags = [&](const uint4* st, const unsigned char* bst, int w, unsigned (&b)[4][2]) {
+    const uint4* vs = st + KU * 32;
+    unsigned tw[4];
+#pragma unroll
+    for (int tau = 0; tau < 4; ++tau) {
+      if constexpr (BULK) {
+        tw[tau] = word_of(*reinterpret_cast<const uint4*>(bst + vrow[tau & 1] + 512 * (tau >> 1)), w);
+      } else if constexpr (HEAD_DIM == 64) {
+        const uint2 v = reinterpret_cast<const uint2*>(vs)[tau * 32 + lane];
+        tw[tau] = w == 0 ? v.x : v.y;
+      } else {
+        tw[tau] = word_of(vs[(tau * VG + w / 4) * 32 + lane], w % 4);
+      }
+    }
+    const unsigned x0 = prmt(tw[0], tw[1], 0x5140), x1 = prmt(tw[0], tw[1], 0x7362);
+    const unsigned y0 = prmt(tw[2], tw[3], 0x5140), y1 = prmt(tw[2], tw[3], 0x7362);
+    e4m3x4_to_f16x2x2(x0, b[0][0], b[1][0]);
+    e4m3x4_to_f16x2x2(x1, b[2][0], b[3][0]);
+    e4m3x4_to_f16x2x2(y0, b[0][1], b[1][1]);
+    e4m3x4_to_f16x2x2(y1, b[2][1], b[3][1]);
+  };
+
+  const int warp_stages = keep(Smem::kQBytes + warp * NUM_STAGES * SB);  // byte offset of stage 0
+  // LEAN: chunk k's stage and its mbarrier phase parity, advanced by the loop.
+  int stage = 0;
+  unsigned parity = 0;
   for (int k = 0; k < my_n; ++k) {
-    if (k + NUM_STAGES - 1 < my_n) ring |= issue(k + NUM_STAGES - 1, next) << (4 * (NUM_STAGES - 1));
+    const int s_read = LEAN ? stage : k % NUM_STAGES;
+    const int s_issue = LEAN ? (stage == 0 ? NUM_STAGES - 1 : stage - 1) : (k + NUM_STAGES - 1) % NUM_STAGES;
+    if (k + NUM_STAGES - 1 < my_n) ring |= issue(s_issue, next) << (4 * (NUM_STAGES - 1));
     if constexpr (!BULK) cp_async_commit();
     if (k + NUM_STAGES < my_n) next = load_slots(k + NUM_STAGES);
-    if constexpr (BULK) mbar_wait(bars + 8 * (k % NUM_STAGES), (k / NUM_STAGES) & 1);
+    if constexpr (BULK) mbar_wait(bars + 8 * s_read, LEAN ? parity : (k / NUM_STAGES) & 1);
     else cp_async_wait<NUM_STAGES - 1>();
+    if (LEAN && ++stage == NUM_STAGES) {
+      stage = 0;
+      parity ^= 1u;
+    }
     const unsigned bits = ring & 0xfu;
     ring >>= 4;
-    const uint4* st = wbase + (k % NUM_STAGES) * STAGE_U4 * 32;
-    const unsigned char* const bst = smem_bytes + Smem::kQBytes + (warp * NUM_STAGES + k % NUM_STAGES) * SB;
+    const uint4* st = wbase + s_read * STAGE_U4 * 32;
+    const unsigned char* const bst = smem_bytes + warp_stages + s_read * SB;
 
-    // S = Q K^T over this chunk's 16 tokens (two n8 tiles).
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    if constexpr (TMMA) {
+      auto k_of = [&](int j, int G) { return k_piece(st, bst, j, G); };
+      auto v_of = [&](int w, unsigned (&b)[4][2]) { v_frags(st, bst, w, b); };
+      tmma_chunk<NG, VW>(acc, m0, m1, l0, l1, qcol, row_scale0, row_scale1, bits, k_of, v_of);
+    } else {
+      // S = Q K^T over this chunk's 16 tokens (two n8 tiles).
+      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+      for (int j = 0; j < 2; ++j) {
 #pragma unroll
-      for (int G = 0; G < NG; ++G) {
-        const int r = 8 * j + g;  // token row; piece 4G + t (see issue)
-        uint4 kk;
-        if constexpr (BULK) kk = *reinterpret_cast<const uint4*>(bst + krow + 512 * j + 64 * G);
-        else kk = st[r * KP + ((4 * G + t) ^ kswz(r))];
+        for (int G = 0; G < NG; ++G) {
+          const uint4 kk = k_piece(st, bst, j, G);
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          unsigned lo, hi;
-          e4m3x4_to_f16x2x2(word_of(kk, u), lo, hi);
-          uint4 a;
-          if constexpr (Q_SMEM) a = qsm[(G * 4 + u) * 32 + lane];
-          else a = qreg[G][u];
-          mma_f16(s[j], a, lo, hi);
+          for (int u = 0; u < 4; ++u) {
+            unsigned lo, hi;
+            e4m3x4_to_f16x2x2(word_of(kk, u), lo, hi);
+            uint4 a;
+            if constexpr (Q_SMEM) a = qsm[(G * 4 + u) * 32 + lane];
+            else a = qreg[G][u];
+            mma_f16(s[j], a, lo, hi);
+          }
         }
       }
-    }
-    // Online softmax in base 2; masked tokens are -inf and never produce NaN.
-    float x[2][4];
+      // Online softmax in base 2; masked tokens are -inf and never produce NaN.
+      float x[2][4];
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const bool ok0 = (bits >> (2 * j)) & 1u, ok1 = (bits >> (2 * j + 1)) & 1u;
-      x[j][0] = ok0 ? s[j][0] * row_scale0 : neg_inf;
-      x[j][1] = ok1 ? s[j][1] * row_scale0 : neg_inf;
-      x[j][2] = ok0 ? s[j][2] * row_scale1 : neg_inf;
-      x[j][3] = ok1 ? s[j][3] * row_scale1 : neg_inf;
-    }
-    float mx0 = fmaxf(fmaxf(x[0][0], x[0][1]), fmaxf(x[1][0], x[1][1]));
-    float mx1 = fmaxf(fmaxf(x[0][2], x[0][3]), fmaxf(x[1][2], x[1][3]));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(kFull, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(kFull, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(kFull, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(kFull, mx1, 2));
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    const float b0 = n0 == neg_inf ? 0.f : n0, b1 = n1 == neg_inf ? 0.f : n1;
-    const float alpha0 = ex2(m0 - b0), alpha1 = ex2(m1 - b1);
-    m0 = n0;
-    m1 = n1;
-    float p[2][4];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      p[j][0] = ex2(x[j][0] - b0);
-      p[j][1] = ex2(x[j][1] - b0);
-      p[j][2] = ex2(x[j][2] - b1);
-      p[j][3] = ex2(x[j][3] - b1);
-    }
-    l0 = l0 * alpha0 + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
-    l1 = l1 * alpha1 + (p[0][2] + p[0][3]) + (p[1][2] + p[1][3]);
-    // Once the running max settles alpha is exactly 1: skip the rescale warp-wide.
-    if (__any_sync(kFull, alpha0 != 1.f || alpha1 != 1.f)) {
-#pragma unroll
-      for (int i = 0; i < NT; ++i) {
-        acc[i][0] *= alpha0;
-        acc[i][1] *= alpha0;
-        acc[i][2] *= alpha1;
-        acc[i][3] *= alpha1;
+      for (int j = 0; j < 2; ++j) {
+        const bool ok0 = (bits >> (2 * j)) & 1u, ok1 = (bits >> (2 * j + 1)) & 1u;
+        x[j][0] = ok0 ? s[j][0] * row_scale0 : neg_inf;
+        x[j][1] = ok1 ? s[j][1] * row_scale0 : neg_inf;
+        x[j][2] = ok0 ? s[j][2] * row_scale1 : neg_inf;
+        x[j][3] = ok1 ? s[j][3] * row_scale1 : neg_inf;
       }
-    }
-    const uint4 pa = make_uint4(pack_f16x2(p[0][0], p[0][1]), pack_f16x2(p[0][2], p[0][3]),
-                                pack_f16x2(p[1][0], p[1][1]), pack_f16x2(p[1][2], p[1][3]));
-
-    // O += P V: transpose 4 tokens x 4 dims of e4m3 per word into f16x2 B fragments.
-    const uint4* vs = st + KU * 32;
+      float mx0 = fmaxf(fmaxf(x[0][0], x[0][1]), fmaxf(x[1][0], x[1][1]));
+      float mx1 = fmaxf(fmaxf(x[0][2], x[0][3]), fmaxf(x[1][2], x[1][3]));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(kFull, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(kFull, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(kFull, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(kFull, mx1, 2));
+      const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+      const float b0 = n0 == neg_inf ? 0.f : n0, b1 = n1 == neg_inf ? 0.f : n1;
+      const float alpha0 = ex2(m0 - b0), alpha1 = ex2(m1 - b1);
+      m0 = n0;
+      m1 = n1;
+      float p[2][4];
 #pragma unroll
-    for (int w = 0; w < VW; ++w) {
-      unsigned tw[4];
+      for (int j = 0; j < 2; ++j) {
+        p[j][0] = ex2(x[j][0] - b0);
+        p[j][1] = ex2(x[j][1] - b0);
+        p[j][2] = ex2(x[j][2] - b1);
+        p[j][3] = ex2(x[j][3] - b1);
+      }
+      l0 = l0 * alpha0 + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
+      l1 = l1 * alpha1 + (p[0][2] + p[0][3]) + (p[1][2] + p[1][3]);
+      // Once the running max settles alpha is exactly 1: skip the rescale warp-wide.
+      if (__any_sync(kFull, alpha0 != 1.f || alpha1 != 1.f)) {
 #pragma unroll
-      for (int tau = 0; tau < 4; ++tau) {
-        if constexpr (BULK) {
-          tw[tau] = word_of(*reinterpret_cast<const uint4*>(bst + vrow[tau & 1] + 512 * (tau >> 1)), w);
-        } else if constexpr (HEAD_DIM == 64) {
-          const uint2 v = reinterpret_cast<const uint2*>(vs)[tau * 32 + lane];
-          tw[tau] = w == 0 ? v.x : v.y;
-        } else {
-          tw[tau] = word_of(vs[(tau * VG + w / 4) * 32 + lane], w % 4);
+        for (int i = 0; i < NT; ++i) {
+          acc[i][0] *= alpha0;
+          acc[i][1] *= alpha0;
+          acc[i][2] *= alpha1;
+          acc[i][3] *= alpha1;
         }
       }
-      const unsigned x0 = prmt(tw[0], tw[1], 0x5140), x1 = prmt(tw[0], tw[1], 0x7362);
-      const unsigned y0 = prmt(tw[2], tw[3], 0x5140), y1 = prmt(tw[2], tw[3], 0x7362);
-      unsigned b[4][2];
-      e4m3x4_to_f16x2x2(x0, b[0][0], b[1][0]);
-      e4m3x4_to_f16x2x2(x1, b[2][0], b[3][0]);
-      e4m3x4_to_f16x2x2(y0, b[0][1], b[1][1]);
-      e4m3x4_to_f16x2x2(y1, b[2][1], b[3][1]);
+      const uint4 pa = make_uint4(pack_f16x2(p[0][0], p[0][1]), pack_f16x2(p[0][2], p[0][3]),
+                                  pack_f16x2(p[1][0], p[1][1]), pack_f16x2(p[1][2], p[1][3]));
+
+      // O += P V: transpose 4 tokens x 4 dims of e4m3 per word into f16x2 B fragments.
 #pragma unroll
-      for (int i = 0; i < 4; ++i) mma_f16(acc[4 * w + i], pa, b[i][0], b[i][1]);
+      for (int w = 0; w < VW; ++w) {
+        unsigned b[4][2];
+        v_frags(st, bst, w, b);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) mma_f16(acc[4 * w + i], pa, b[i][0], b[i][1]);
+      }
     }
   }
 
   // ---- merge the warps -----------------------------------------------------------------
-  l0 += __shfl_xor_sync(kFull, l0, 1);
-  l0 += __shfl_xor_sync(kFull, l0, 2);
-  l1 += __shfl_xor_sync(kFull, l1, 1);
-  l1 += __shfl_xor_sync(kFull, l1, 2);
+  // the sums over the lanes holding the same heads: t (heads as rows), g (TMMA)
+#pragma unroll
+  for (int o = TMMA ? 4 : 1; o < (TMMA ? 32 : 4); o <<= 1) {
+    l0 += __shfl_xor_sync(kFull, l0, o);
+    l1 += __shfl_xor_sync(kFull, l1, o);
+  }
   // (bulk: every copy was waited for; the single pass's prologue copies nothing past the count)
   if constexpr (!BULK) cp_async_wait<0>();
   __syncthreads();  // every warp is done with its stages: reuse them
-  merge_and_store<GROUP, HEAD_DIM, NUM_WARPS, CLUSTER, GATE_REG>(
-      reinterpret_cast<float*>(smem + Q_U4), acc, m0, m1, l0, l1, out + row * out_row + head0 * out_head, out_head,
+  merge_and_store<GROUP, HEAD_DIM, NUM_WARPS, CLUSTER, GATE_REG, TMMA>(
+      reinterpret_cast<float*>(smem + Q_AREA), acc, m0, m1, l0, l1, out + row * out_row + head0 * out_head, out_head,
       gate + row * gate_row + head0 * gate_head, gate_head, output_scale, gate_pre);
 }
 

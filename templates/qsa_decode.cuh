@@ -39,7 +39,14 @@ namespace fij_qsa {
 // The large-batch kernel: one CTA per (row, kv head), slots and row order from the slot pass.
 template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, bool BULK>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) qsa_decode(FIJ_QSA_DECODE_PARAMS) {
-  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, 0, 0, BULK>(FIJ_QSA_DECODE_ARGS);
+  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, 0, 0, BULK, false, false>(FIJ_QSA_DECODE_ARGS);
+}
+
+// The same in an opt-in loop form (see decode_body): TMMA (GROUP <= 8), tokens as the
+// MMAs' rows; LEAN, the loop's invariants kept in registers.
+template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, bool BULK, bool TMMA, bool LEAN>
+__global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) qsa_decode_form(FIJ_QSA_DECODE_PARAMS) {
+  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, 0, 0, BULK, TMMA, LEAN>(FIJ_QSA_DECODE_ARGS);
 }
 
 // The small-batch kernel: CLUSTER splits per (row, kv head) in one thread block cluster
@@ -49,7 +56,7 @@ template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, 
 __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__(NUM_WARPS * 32, MIN_CTAS)
     qsa_decode_cluster(FIJ_QSA_DECODE_PARAMS) {
   static_assert(CLUSTER >= 2 && CLUSTER <= 8, "portable cluster sizes");
-  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, CLUSTER, SLOT_CAP, BULK>(FIJ_QSA_DECODE_ARGS);
+  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, CLUSTER, SLOT_CAP, BULK, false, false>(FIJ_QSA_DECODE_ARGS);
 }
 
 #undef FIJ_QSA_DECODE_ARGS

@@ -28,6 +28,17 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
+// x, opaque to the compiler: it stays in a register instead of being recomputed from
+// threadIdx where it is used (the decode's LEAN loop).
+__device__ __forceinline__ int pinned(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+__device__ __forceinline__ unsigned pinned(unsigned x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -237,13 +248,15 @@ __device__ __forceinline__ void cluster_merge(const float* cpart, const float* c
 // acc) of heads g, g + 8 go to shared memory at `red` ([NUM_WARPS][16][HEAD_DIM + pad],
 // then the (max, sum) pairs) and are merged per 8-dim piece; the single pass then writes
 // the gated output, a cluster stores its partial for cluster_merge. acc[i] holds dims
-// vdim(2t, i), vdim(2t + 1, i) (see the decode's PV comment); out/gate point at the kv
-// head's first query head of the row.
-template <int GROUP, int HEAD_DIM, int NUM_WARPS, int CLUSTER, bool GATE_PRE>
-__device__ __forceinline__ void merge_and_store(float* red, const float (&acc)[HEAD_DIM / 8][4], float m0, float m1,
-                                                float l0, float l1, fij::bf16_t* out, long long out_head,
-                                                const fij::bf16_t* gate, long long gate_head, float output_scale,
-                                                const uint4& gate_pre) {
+// vdim(2t, i), vdim(2t + 1, i) (see the decode's PV comment) of heads g, g + 8; TMMA
+// (tokens as the MMA's rows, GROUP <= 8): acc[m] holds dims vdim(g, 2m), vdim(g, 2m + 1)
+// of heads 2t, 2t + 1, and (m0, l0), (m1, l1) are those two heads'. out/gate point at the
+// kv head's first query head of the row.
+template <int GROUP, int HEAD_DIM, int NUM_WARPS, int CLUSTER, bool GATE_PRE, bool TMMA>
+__device__ __forceinline__ void merge_and_store(float* red, const float (&acc)[HEAD_DIM / (TMMA ? 16 : 8)][4],
+                                                float m0, float m1, float l0, float l1, fij::bf16_t* out,
+                                                long long out_head, const fij::bf16_t* gate, long long gate_head,
+                                                float output_scale, const uint4& gate_pre) {
   constexpr int RR = HEAD_DIM + kRedPad, NT = HEAD_DIM / 8, PIECES = HEAD_DIM / 8, THREADS = NUM_WARPS * 32;
   constexpr int SPAN = HEAD_DIM >= 128 ? 16 : 8;
   auto vdim = [](int c, int i) { return (i / SPAN) * 128 + SPAN * c + i % SPAN; };
@@ -252,19 +265,32 @@ __device__ __forceinline__ void merge_and_store(float* red, const float (&acc)[H
   float* const red_ml = red + NUM_WARPS * 16 * RR;
   {
     float* const mine = red + warp * 16 * RR;
+    if constexpr (TMMA) {
 #pragma unroll
-    for (int i = 0; i < NT; ++i) {
-      const int d0 = vdim(2 * t, i), d1 = vdim(2 * t + 1, i);
-      mine[g * RR + d0] = acc[i][0];
-      mine[g * RR + d1] = acc[i][1];
-      mine[(g + 8) * RR + d0] = acc[i][2];
-      mine[(g + 8) * RR + d1] = acc[i][3];
+      for (int m = 0; m < NT / 2; ++m) {
+        const int d0 = vdim(g, 2 * m), d1 = vdim(g, 2 * m + 1);
+        mine[2 * t * RR + d0] = acc[m][0];
+        mine[(2 * t + 1) * RR + d0] = acc[m][1];
+        mine[2 * t * RR + d1] = acc[m][2];
+        mine[(2 * t + 1) * RR + d1] = acc[m][3];
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        const int d0 = vdim(2 * t, i), d1 = vdim(2 * t + 1, i);
+        mine[g * RR + d0] = acc[i][0];
+        mine[g * RR + d1] = acc[i][1];
+        mine[(g + 8) * RR + d0] = acc[i][2];
+        mine[(g + 8) * RR + d1] = acc[i][3];
+      }
     }
-    if (t == 0) {
-      red_ml[(warp * 16 + g) * 2] = m0;
-      red_ml[(warp * 16 + g) * 2 + 1] = l0;
-      red_ml[(warp * 16 + g + 8) * 2] = m1;
-      red_ml[(warp * 16 + g + 8) * 2 + 1] = l1;
+    // the (max, sum) of the two heads this thread holds: rows g, g + 8 (TMMA: 2t, 2t + 1)
+    const int h0 = TMMA ? 2 * t : g, h1 = TMMA ? 2 * t + 1 : g + 8;
+    if ((TMMA ? g : t) == 0) {
+      red_ml[(warp * 16 + h0) * 2] = m0;
+      red_ml[(warp * 16 + h0) * 2 + 1] = l0;
+      red_ml[(warp * 16 + h1) * 2] = m1;
+      red_ml[(warp * 16 + h1) * 2 + 1] = l1;
     }
   }
   __syncthreads();

@@ -75,6 +75,9 @@ OPT_IN = [
     (8, dict(bulk=True, config=(4, 3, 4))),
     (4, dict(config=(8, 3, 1), pdl=True)),
     (2, dict(fused=False, slot_entries=2)),
+    (1, dict(tmma=True)),  # groups <= 8 (hq 8, hkv 2 below); ignored at 16
+    (1, dict(lean=True)),
+    (1, dict(tmma=True, lean=True, bulk=False)),
 ]
 
 

@@ -1,13 +1,16 @@
 """QSA kernel selection (flashinfer_jit.qsa_kernels): the dispatcher's choice for the issue's
 calls, warm-up covering exactly what the dispatcher launches, the shipped configs' occupancy,
-the bulk-copy row layout, and the replay of a bulk launch (CPU, kernels stubbed). On the GPU:
-the slot pass's row order over many rows, a bulk launch's replay with V elsewhere, and the
-opt-in flips (programmatic dependent launch, slot-pass entries) through the public functions.
+the bulk-copy row layout, the replay of a bulk launch (CPU, kernels stubbed), and the opt-in
+loop forms of the single pass (TMMA, LEAN_LOOP: which kernel, compiled without spills). On
+the GPU: the slot pass's row order over many rows, a bulk launch's replay with V elsewhere,
+the opt-in flips (programmatic dependent launch, slot-pass entries, loop forms) through the
+public functions, and the loop forms over group sizes and head dims.
 """
 
 from __future__ import annotations
 
 import math
+import subprocess
 
 import pytest
 import torch
@@ -121,6 +124,47 @@ def test_bulk_launch_replays_only_with_v_after_k(request, monkeypatch):
     assert [launch.kv_gap for launch in qsa._replays.values()] == [0]
 
 
+def test_loop_forms_pick_their_kernel():
+    """TMMA applies to groups of at most 8 heads (ignored above); either flip takes the
+    form family, neither the shipped kernel (its specs and prebuild are unchanged)."""
+    config = qk.BULK_SINGLE_PASS
+    assert qk.decode_plan(8, 128, 0, False, True, config) == (
+        qk.decode_family, (8, 128, *config, True))  # fmt: skip
+    assert qk.decode_plan(8, 128, 0, False, True, config, tmma=True) == (
+        qk.decode_form_family, (8, 128, *config, True, True, False))  # fmt: skip
+    assert qk.decode_plan(16, 128, 0, False, True, config, tmma=True)[0] is qk.decode_family
+    assert qk.decode_plan(16, 128, 0, False, True, config, lean=True)[1][-2:] == (False, True)
+    plans = qk.dispatch_plans(8, 128, 64, 4, 1024, True, SMS, 1, True, True)
+    assert qk.decode_plan(8, 128, 0, False, True, config, True, True) in plans
+    labels = {s.label for s in qk.all_specs(8, 128, 64, 1, True, False)}
+    assert qk.decode_form_family.spec((8, 128, *config, True, True, False)).label in labels
+
+
+# (group, head dim, bulk, tmma, lean) of the loop forms the GPU tests run.
+FORMS = [(8, 128, True, True, False), (8, 128, True, True, True), (16, 128, True, False, True),
+         (1, 128, False, True, True), (5, 64, False, True, False), (3, 256, False, True, True)]  # fmt: skip
+
+
+def test_loop_forms_compile_without_spills(tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from flashinfer_jit._jit import TEMPLATE_ROOT
+    from jit_kernels import compile_cubin, render
+
+    from .test_qsa import _cuobjdump
+
+    tool = _cuobjdump()
+    for group, d, bulk, tmma, lean in FORMS:
+        config = qk.default_config(d, 0, bulk)
+        family, params = qk.decode_plan(group, d, 0, False, bulk, config, tmma, lean)
+        kernel = compile_cubin(render(family.spec(params), TEMPLATE_ROOT), "sm_90a")
+        if tool is None:
+            continue
+        path = tmp_path / "k.cubin"
+        path.write_bytes(kernel.cubin)
+        usage = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True)
+        assert "LOCAL:0" in usage.stdout and "STACK:0" in usage.stdout, usage.stdout
+
+
 # -- GPU -----------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_gpu_row_order_many_rows():
@@ -168,3 +212,26 @@ def test_gpu_flips_back_to_back(monkeypatch, rows):
         qsa.qsa_sparse_paged_attention(*args_of(dict(case, out=out)))
     for q, out in zip(fresh, outs, strict=True):
         assert_close(out, ref_of(dict(case, q=q)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group, d, bulk, tmma, lean", FORMS)
+@pytest.mark.parametrize("topk", [40, 1000])
+def test_gpu_loop_forms(monkeypatch, group, d, bulk, tmma, lean, topk):
+    """The opt-in loop forms, flipped, through the public single pass: every group size
+    class and head dim, short and long selections, with the -1 / valid-count / bad-request /
+    bad-page hazards, against the float64 reference."""
+    monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
+    monkeypatch.setattr(qsa, "TMMA", tmma)
+    monkeypatch.setattr(qsa, "LEAN_LOOP", lean)
+    case = add_hazards(make_case(rows=9, hq=2 * group, hkv=2, d=d, page=64, topk=topk,
+                                 width=-(-topk // 64) + 3, num_blocks=60, device="cuda",
+                                 seed=group + d + topk, combined=bulk))  # fmt: skip
+    case["out"].fill_(math.nan)
+    launch = qsa._decode_launch(*args_of(case))
+    family = "qsa_decode_form" if tmma and group <= 8 or lean else "qsa_decode"
+    assert launch.kernel.name.startswith(family + "[")
+    got = qsa.qsa_sparse_paged_decode(*args_of(case))
+    torch.cuda.synchronize()
+    assert_close(got, ref_of(case))
+    assert (got[1] == 0).all() and (got[3] == 0).all()

@@ -59,12 +59,19 @@ VARIANTS_LEAN = [("k1", 1, False), ("k2 f", 2, True), ("k2 s", 2, False), ("k4 f
 # call's). "slots xN": N slot-pass entries per thread, all loads in flight (two round trips
 # a thread instead of three, N times fewer threads). "cp.async" / "bulk sN": the other
 # gather, to check the shipped rule (bulk on the combined cache except one-wave clusters).
+# The single pass's loop forms: "tmma" tokens as the MMAs' rows (groups <= 8: the 2048-row
+# and 256-row shapes; the 512-row shape's group of 16 runs the default there), "lean" loop
+# invariants kept in registers, "all" both with 4 slot entries and PDL.
 OPT_IN_SINGLE = {
     "pdl": dict(pdl=True),
     "slots x4": dict(slot_entries=4),
     "slots x8": dict(slot_entries=8),
     "slots x4 pdl": dict(slot_entries=4, pdl=True),
     "cp.async": dict(bulk=False),
+    "tmma": dict(tmma=True),
+    "lean": dict(lean=True),
+    "tmma lean": dict(tmma=True, lean=True),
+    "all": dict(tmma=True, lean=True, slot_entries=4, pdl=True),
 }
 OPT_IN_CLUSTER = {
     "pdl": dict(pdl=True),
@@ -337,8 +344,9 @@ def bench_opt_in(gib) -> None:
     print("opt-in verdicts: " + "; ".join(verdicts))
     print(
         "flips (one line each, flashinfer_jit/qsa.py): PDL = True for pdl, "
-        "SLOT_ENTRIES_PER_THREAD = 4 or 8 for slots x4 / x8; cp.async / bulk sN winning over "
-        "the default means the gather rule (qsa_kernels.takes_bulk, BULK_CLUSTER) moves"
+        "SLOT_ENTRIES_PER_THREAD = 4 or 8 for slots x4 / x8, TMMA = True for tmma, "
+        "LEAN_LOOP = True for lean; cp.async / bulk sN winning over the default means the "
+        "gather rule (qsa_kernels.takes_bulk, BULK_CLUSTER) moves"
     )
 
 
