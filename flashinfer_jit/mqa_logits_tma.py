@@ -49,11 +49,18 @@ def tma_regs(n: int) -> int:
     return n // 2 + 32
 
 
+def lane_weight_bytes(n: int) -> int:
+    """One weight buffer (LaneWeights in templates/mqa_logits_tile.cuh): 4 lane rows of
+    n/4 floats, each padded to 16 bytes plus 16."""
+    return 4 * 4 * (-(-n // 16) * 4 + 4)
+
+
 def tma_smem_bytes(n: int, warpgroups: int, stages: int, qbuf: int) -> int:
     """Dynamic shared memory (TmaLayout in the template, + 1024 bytes of alignment slack):
     per stage the tile's values, scales, descriptor and two mbarriers; per warpgroup
     ``qbuf`` Q buffers and weight buffers."""
-    return stages * (_VALUES + TILE * 4 + 32) + warpgroups * qbuf * (n * TMA_DIM + n * 4) + 1024
+    per_buffer = n * TMA_DIM + lane_weight_bytes(n)
+    return stages * (_VALUES + TILE * 4 + 32) + warpgroups * qbuf * per_buffer + 1024
 
 
 def tma_stages(n: int, warpgroups: int, producers: int, qbuf: int) -> int:

@@ -127,6 +127,21 @@ struct WeightsSmem {
   const float* p;  // the buffer + 2 tig
   __device__ __forceinline__ float2 get2(int i) const { return *reinterpret_cast<const float2*>(p + i * 8); }
 };
+// The TMA kernel's weight buffers: quad lane tig's N/4 weights (columns i*8 + 2 tig + j) are
+// contiguous, so a 16-byte load fetches the pairs of two column groups (half the loads of
+// WeightsSmem); rows are padded to 16 bytes plus 16 so the 4 lanes' loads hit distinct banks.
+template <int N>
+struct LaneWeights {
+  static constexpr int kStride = (N / 4 + 3) / 4 * 4 + 4;  // floats per lane row
+  static constexpr int kFloats = 4 * kStride;
+  static __device__ __forceinline__ int slot(int n) { return ((n >> 1) & 3) * kStride + (n >> 3) * 2 + (n & 1); }
+  const float4* p;  // the buffer + tig * kStride
+  // Pairs i and i + 1 (i even) come from one load: the second call's load is the first's.
+  __device__ __forceinline__ float2 get2(int i) const {
+    const float4 v = p[i >> 1];
+    return (i & 1) ? make_float2(v.z, v.w) : make_float2(v.x, v.y);
+  }
+};
 template <int N>
 struct WeightsReg {
   float v[N / 8][2];
@@ -137,8 +152,40 @@ struct WeightsReg {
       v[i][1] = wbuf[i * 8 + tig * 2 + 1];
     }
   }
+  // From a LaneWeights buffer: `row` is lane tig's row.
+  __device__ __forceinline__ void load_lane(const float* row) {
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i) {
+      v[i][0] = row[2 * i];
+      v[i][1] = row[2 * i + 1];
+    }
+  }
   __device__ __forceinline__ float2 get2(int i) const { return make_float2(v[i][0], v[i][1]); }
 };
+
+// Sums each item v[i] over the 4 lanes of a quad and leaves item i in lane i % 4 (items
+// pair up across lanes 1 apart, then the pair sums across lanes 2 apart: the same
+// (a + b) + (c + d) tree as two full butterflies, so the sums are bitwise the same). With
+// V/2 odd the last item is summed whole in every lane. res[m] holds item 4m + lane
+// (m < V/4) or the last item (m == V/4).
+template <int V, typename T, typename Add>
+__device__ __forceinline__ void quad_reduce_scatter(const T (&v)[V], T (&res)[(V + 2) / 4], int tig, Add add) {
+  static_assert(V % 2 == 0, "items come in (row, row + 8) pairs");
+  constexpr int H = V / 2;
+  const bool b0 = tig & 1, b1 = tig & 2;
+  T h[H];
+#pragma unroll
+  for (int k = 0; k < H; ++k) {  // h[k] = item 2k + b0, over lanes 1 apart
+    const T send = b0 ? v[2 * k] : v[2 * k + 1];
+    h[k] = add(b0 ? v[2 * k + 1] : v[2 * k], __shfl_xor_sync(0xffffffffu, send, 1));
+  }
+#pragma unroll
+  for (int m = 0; m < H / 2; ++m) {  // res[m] = item 4m + 2 b1 + b0, over lanes 2 apart
+    const T send = b1 ? h[2 * m] : h[2 * m + 1];
+    res[m] = add(b1 ? h[2 * m + 1] : h[2 * m], __shfl_xor_sync(0xffffffffu, send, 2));
+  }
+  if constexpr (H % 2) res[H / 2] = add(h[H - 1], __shfl_xor_sync(0xffffffffu, h[H - 1], 2));
+}
 
 template <int NEXT_N, int HEADS, typename OutT, typename EpiT, typename AccT, typename W>
 __device__ __forceinline__ void tile_store(const unsigned* acc_u, const W& wts, float sc0, float sc1, int b,
@@ -185,34 +232,42 @@ __device__ __forceinline__ void tile_store(const unsigned* acc_u, const W& wts, 
       }
     }
   }
-  const int pos0 = tile * kTile + warp * 16 + g;
-#pragma unroll
-  for (int t = 0; t < NEXT_N; ++t) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float sc = r ? sc1 : sc0;
-      const int pos = pos0 + 8 * r;
-      OutT* dst = out + (long long)(b * NEXT_N + t) * out_stride + pos;
-      if constexpr (F16EPI) {
-        unsigned v = hpart[t][r];
-        v = hadd(v, __shfl_xor_sync(0xffffffffu, v, 1));
-        v = hadd(v, __shfl_xor_sync(0xffffffffu, v, 2));
-        const unsigned short res = hmul((unsigned short)v, f2h(sc));
-        if (((t * 2 + r) & 3) == tig && pos < rows) {
-          if constexpr (F16OUT) reinterpret_cast<unsigned short*>(dst)[0] = res;
-          else *reinterpret_cast<float*>(dst) = h2f(res);
-        }
-      } else {
-        float v = part[t][r] + part_b[t][r];
-        v += __shfl_xor_sync(0xffffffffu, v, 1);
-        v += __shfl_xor_sync(0xffffffffu, v, 2);
-        v *= sc;
-        if (((t * 2 + r) & 3) == tig && pos < rows) {
-          if constexpr (F16OUT) reinterpret_cast<unsigned short*>(dst)[0] = f2h(v);
-          else *reinterpret_cast<float*>(dst) = v;
-        }
-      }
+  // Each (t, row) sum is spread over the 4 lanes of a quad; reduce-scatter them so every
+  // lane ends with whole sums (item 2t + r in lane (2t + r) % 4) and stores at most two:
+  // 1-2 stores a lane instead of one predicated store per item, and a lane's items all
+  // lie in row r = tig & 1 of its pair (one scale, one position).
+  constexpr int V = 2 * NEXT_N;
+  const int pos = tile * kTile + warp * 16 + g + 8 * (tig & 1);
+  const float sc = (tig & 1) ? sc1 : sc0;
+  auto store = [&](int m, auto value) {  // the lane's m-th reduced item (see quad_reduce_scatter)
+    const int item = m < V / 4 ? 4 * m + tig : V - 2 + (tig & 1);
+    if (pos >= rows || (m == V / 4 && (tig & 2))) return;  // the shared tail: lanes 0-1 write it
+    OutT* dst = out + (long long)(b * NEXT_N + (item >> 1)) * out_stride + pos;
+    if constexpr (F16OUT) {
+      if constexpr (F16EPI) reinterpret_cast<unsigned short*>(dst)[0] = value;
+      else reinterpret_cast<unsigned short*>(dst)[0] = f2h(value);
+    } else {
+      if constexpr (F16EPI) *reinterpret_cast<float*>(dst) = h2f(value);
+      else *reinterpret_cast<float*>(dst) = value;
     }
+  };
+  if constexpr (F16EPI) {
+    unsigned v[V], res[(V + 2) / 4];
+#pragma unroll
+    for (int i = 0; i < V; ++i) v[i] = hpart[i >> 1][i & 1];
+    quad_reduce_scatter<V>(v, res, tig, [](unsigned x, unsigned y) {
+      return (unsigned)hadd((unsigned short)x, (unsigned short)y);
+    });
+    const unsigned short hsc = f2h(sc);
+#pragma unroll
+    for (int m = 0; m < (V + 2) / 4; ++m) store(m, hmul((unsigned short)res[m], hsc));
+  } else {
+    float v[V], res[(V + 2) / 4];
+#pragma unroll
+    for (int i = 0; i < V; ++i) v[i] = part[i >> 1][i & 1] + part_b[i >> 1][i & 1];
+    quad_reduce_scatter<V>(v, res, tig, [](float x, float y) { return x + y; });
+#pragma unroll
+    for (int m = 0; m < (V + 2) / 4; ++m) store(m, res[m] * sc);
   }
 }
 

@@ -13,7 +13,7 @@
 //     buffer, so a request change costs a barrier, not a global-memory round trip; with
 //     one (large next_n*num_heads, where shared memory is better spent on ring stages) it
 //     loads Q when the request changes.
-//   * Per tile: S^T = K_tile . Q^T with wgmma m64nNk32 (A and B descriptors), then the
+//   * Per tile: S^T = K_tile . Q^T with one wgmma m64nNk32 per k step (A and B descriptors), then the
 //     epilogue of mqa_logits_tile.cuh (ReLU, weights, head sum in-thread, scale, store).
 // PROBE (benchmark only) leaves out parts to time the rest: 1 = consumers release each
 // stage untouched (the streaming alone), 2 = no epilogue (stream + MMA), 3 = no MMA
@@ -63,7 +63,7 @@ struct TmaLayout {
   static constexpr int kQ = STAGES * kVals;
   static constexpr int kScales = kQ + WGS * QBUF * N * 128;
   static constexpr int kW = kScales + STAGES * kTile * 4;
-  static constexpr int kMeta = kW + WGS * QBUF * N * 4;
+  static constexpr int kMeta = kW + WGS * QBUF * LaneWeights<N>::kFloats * 4;
   static constexpr int kBars = kMeta + STAGES * 16;
   static constexpr int kBytes = kBars + STAGES * 16;
 };
@@ -107,18 +107,7 @@ __device__ __forceinline__ void issue_q(const unsigned char* __restrict__ q, con
     cp_async_16(qdst + n * 128 + ((c ^ (n & 7)) << 4), src + idx * 16);
   }
   // 4-byte copies: weights rows need only the alignment of a float.
-  for (int n = tid; n < N; n += 128) cp_async_4(wdst + 4 * n, weights + (long long)b * N + n);
-}
-
-// wgmma over accumulator columns [N0, N) in chunks of 256/128/.../8.
-template <int N, bool F16ACC, int N0 = 0, typename T>
-__device__ __forceinline__ void wgmma_ss_chunks(T* acc, unsigned long long da, unsigned long long db, int scale_d) {
-  if constexpr (N0 < N) {
-    constexpr int R = N - N0;
-    constexpr int C = R >= 256 ? 256 : R >= 128 ? 128 : R >= 64 ? 64 : R >= 32 ? 32 : R >= 16 ? 16 : 8;
-    WgmmaSS<C, F16ACC>::run(acc + (F16ACC ? N0 / 4 : N0 / 2), da, db + (unsigned long long)(N0 * 128 >> 4), scale_d);
-    wgmma_ss_chunks<N, F16ACC, N0 + C>(acc, da, db, scale_d);
-  }
+  for (int n = tid; n < N; n += 128) cp_async_4(wdst + 4 * LaneWeights<N>::slot(n), weights + (long long)b * N + n);
 }
 
 template <int NEXT_N, int HEADS, int DIM, int BLOCK, typename OutT, typename EpiT, typename AccT, int WGS, int STAGES,
@@ -164,10 +153,13 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   }
 
   // ---- consumer warpgroups: tile i of the run goes to warpgroup i % WGS -----------------
+  // Broadcast from lane 0: ptxas then knows wg (and what derives from it: the tile loop,
+  // the stage index) is warp-uniform and keeps it in uniform registers.
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
   const unsigned bar_id = 1 + wg;
-  const unsigned qaddr0 = base + L::kQ + wg * QBUF * (N * 128), waddr0 = base + L::kW + wg * QBUF * (N * 4);
+  constexpr int kWBytes = LaneWeights<N>::kFloats * 4;  // one weight buffer
+  const unsigned qaddr0 = base + L::kQ + wg * QBUF * (N * 128), waddr0 = base + L::kW + wg * QBUF * kWBytes;
   constexpr bool WREG = N / 2 + N / 4 + 48 <= reg_cap(WGS * 128 + 32 * PRODUCERS);
   WeightsReg<WREG ? N : 8> wreg;
   int q_b = -1, pf_b = -1, cur = QBUF - 1;  // current request, prefetched request, current buffer
@@ -180,20 +172,20 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
       cp_async_wait_all();  // a stale prefetch may still be landing in that buffer
       // One buffer: every warp must be done with the previous request's weights first.
       if constexpr (QBUF == 1) asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
-      issue_q<N>(q, weights, b, qaddr0 + nxt * (N * 128), waddr0 + nxt * (N * 4), tid);
+      issue_q<N>(q, weights, b, qaddr0 + nxt * (N * 128), waddr0 + nxt * kWBytes, tid);
     }
     cp_async_wait_all();
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes -> wgmma reads
     asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
     cur = nxt;
     q_b = b;
-    const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) + (wg * QBUF + cur) * N;
-    if constexpr (WREG) wreg.load(wbuf, tig);
+    const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) + (wg * QBUF + cur) * LaneWeights<N>::kFloats;
+    if constexpr (WREG) wreg.load_lane(wbuf + tig * LaneWeights<N>::kStride);
     if constexpr (QBUF == 1) return;
     int nb = b + 1;
     for (int k = 0; k < 8 && nb < batch && seq_lens[nb * sl_stride] <= 0; ++k) ++nb;
     pf_b = nb < batch && seq_lens[nb * sl_stride] > 0 ? nb : -1;
-    if (pf_b >= 0) issue_q<N>(q, weights, pf_b, qaddr0 + (cur ^ 1) * (N * 128), waddr0 + (cur ^ 1) * (N * 4), tid);
+    if (pf_b >= 0) issue_q<N>(q, weights, pf_b, qaddr0 + (cur ^ 1) * (N * 128), waddr0 + (cur ^ 1) * kWBytes, tid);
   };
 
   if (PROBE != 1 && wg < len) {  // the first tile's Q loads while its KV streams in
@@ -207,17 +199,20 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   }
   // The MMA of the tile in stage s into acc (asynchronous: committed, not waited for).
   auto issue_mma = [&](int s, unsigned (&acc)[ACC_WORDS]) {
-    const unsigned long long da = sw128_desc(base + s * L::kVals);
-    const unsigned long long db = sw128_desc(qaddr0 + cur * (N * 128));
+    // s and cur are warp-uniform but ptxas cannot tell: broadcasting the two addresses lets
+    // it build the descriptors in uniform registers (fewer instructions a tile than moving
+    // per-thread values to them for every wgmma).
+    const unsigned long long da = sw128_desc(__shfl_sync(0xffffffffu, base + s * L::kVals, 0));
+    const unsigned long long db = sw128_desc(__shfl_sync(0xffffffffu, qaddr0 + cur * (N * 128), 0));
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int k = 0; k < DIM / 32; ++k) {  // acc is not cleared: k = 0 does not read it
       if constexpr (PROBE == 3)
         break;
       else if constexpr (F16ACC)
-        wgmma_ss_chunks<N, true>(acc, da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
+        WgmmaSS<N, true>::run(acc, da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
       else
-        wgmma_ss_chunks<N, false>(reinterpret_cast<float*>(acc), da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
+        WgmmaSS<N, false>::run(reinterpret_cast<float*>(acc), da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
   };
@@ -234,8 +229,9 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     } else if constexpr (WREG) {
       tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, wreg, sc0, sc1, m.x, m.y, m.z, out, out_stride, warp, g, tig);
     } else {
-      const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) + (wg * QBUF + cur) * N + 2 * tig;
-      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, WeightsSmem{wbuf}, sc0, sc1, m.x, m.y, m.z, out, out_stride,
+      const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) +
+                          (wg * QBUF + cur) * LaneWeights<N>::kFloats + tig * LaneWeights<N>::kStride;
+      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, LaneWeights<N>{reinterpret_cast<const float4*>(wbuf)}, sc0, sc1, m.x, m.y, m.z, out, out_stride,
                                                   warp, g, tig);
     }
   };
