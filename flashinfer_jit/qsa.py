@@ -58,24 +58,25 @@ from .qsa_ref import qsa_decode_torch
 OP = "qsa"
 WORKLOADS = "qsa_workloads.json"
 # Launch choices, read per call (and part of the replay key); tools/bench_qsa.py --lean
-# compares them with the alternatives. PDL: launch every kernel as a programmatic
-# dependent launch (a kernel's launch and shared-memory setup overlap the previous
-# kernel's tail). SLOT_ENTRIES_PER_THREAD: slot-pass entries per thread (1, 2, 4 or 8; a
-# thread's loads are all in flight at once, so more entries mean fewer threads waiting
-# out the same two round trips). H200, graph replay: 4 entries 0.3-1 % faster than 1 at
-# rows 512 / 2048 / 256 (239.3 vs 240.9, 473.6 vs 478.3, 411.5 vs 412.2 us); PDL another
-# 0.4-0.9 % there and 3 % at rows=4 (13.4 vs 13.9), but LoadedKernel.launch_programmatic
-# builds its launch config per call (more host time per eager call). Both stay opt-in:
-# the whole GPU suite and memcheck ran with neither (gains within run-to-run noise).
-PDL = False
-SLOT_ENTRIES_PER_THREAD = 1
-# Single-pass loop forms (opt-in until timed on the H200; sm_90a SASS per 16-token chunk
-# in the commit that added them). TMMA: groups of <= 8 query heads take the chunk's tokens
-# as the MMAs' rows (half the MMAs, exponentials and accumulators: no padding heads).
-# LEAN_LOOP: the loop's per-thread invariants stay in registers and the stages advance by
-# counters (about 20 fewer instructions a chunk).
-TMMA = False
-LEAN_LOOP = False
+# times each against the others. PDL: launch every kernel as a programmatic dependent
+# launch (a kernel's launch and shared-memory setup overlap the previous kernel's tail;
+# the engine keeps the launch config, so a call only sets its stream).
+# SLOT_ENTRIES_PER_THREAD: slot-pass entries per thread (1, 2, 4 or 8; a thread's loads
+# are all in flight at once, so more entries mean fewer threads waiting out the same two
+# round trips). Single-pass loop forms: TMMA, groups of <= 8 query heads take the chunk's
+# tokens as the MMAs' rows (half the MMAs, exponentials and accumulators: no padding
+# heads); LEAN_LOOP, the loop's per-thread invariants stay in registers and the stages
+# advance by counters. sm_90a SASS per 16-token chunk (G=8, D=128, bulk): 332 instructions
+# before, 260 with both.
+# H200, graph µs per call (rows/Hq/Hkv/topk; all four off -> all four on): 512/64/4/2048
+# 243.9 -> 238.7, 2048/32/4/1024 478.0 -> 444.4, 256/32/8/4096 416.4 -> 410.5; PDL alone
+# at 4/64/4/2048 14.0 -> 13.5; 64/64/4/2048 (cluster, none applies but PDL) 43.7 / 43.5.
+# Each alone (same run): lean 242.7 / 471.7, tmma 464.4 at 2048, 4 entries + PDL 240.0 /
+# 477.0. The previous forms stay reachable for the benchmark's comparison and the tests.
+PDL = True
+SLOT_ENTRIES_PER_THREAD = 4
+TMMA = True
+LEAN_LOOP = True
 
 
 # -- the launches ----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ LOG2E = 1.4426950408889634  # the decode takes softmax_scale * log2(e) (it uses 
 
 
 def _launcher(kernel: LoadedKernel, pdl: bool) -> Callable:
-    # PDL (opt-in qsa.PDL): every QSA kernel waits for the previous kernel's results
+    # PDL (qsa.PDL): every QSA kernel waits for the previous kernel's results
     # (griddepcontrol.wait) before its first global access, so it may be launched early.
     return kernel.launch_programmatic if pdl else kernel.launch
 

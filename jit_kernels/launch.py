@@ -93,7 +93,10 @@ class ArgPacker:
 class LoadedKernel:
     """One kernel loaded in one device's primary context."""
 
-    __slots__ = ("name", "device", "function", "packer", "_library", "_smem_limit", "_launch")
+    __slots__ = (
+        *("name", "device", "function", "packer", "_library", "_smem_limit", "_launch"),
+        *("_launch_ex", "_pdl_configs"),
+    )
 
     def __init__(self, compiled: CompiledKernel, device: int, packer: ArgPacker, name: str):
         from cuda.bindings import driver
@@ -111,7 +114,10 @@ class LoadedKernel:
             )
             self.function = _check(driver.cuKernelGetFunction(kernel), "cuKernelGetFunction")
         self._smem_limit = 48 * 1024
-        self._launch = driver.cuLaunchKernel
+        self._launch, self._launch_ex = driver.cuLaunchKernel, driver.cuLaunchKernelEx
+        # Per thread (a call sets the config's stream, then launches with it), like the
+        # packer's buffers: (grid, block, smem) -> CUlaunchConfig of launch_programmatic.
+        self._pdl_configs = threading.local()
 
     def _allow_smem(self, nbytes: int) -> None:
         from cuda.bindings import driver
@@ -169,23 +175,32 @@ class LoadedKernel:
     ) -> None:
         """``launch`` as a programmatic dependent launch: the grid may be scheduled while
         the stream's previous kernel finishes, so the kernel must wait for that kernel's
-        results itself (``griddepcontrol.wait``) before reading them. Builds its
-        CUlaunchConfig per call (more host time than ``launch``)."""
-        from cuda.bindings import driver
-
+        results itself (``griddepcontrol.wait``) before reading them. The launch config is
+        built once per (grid, block, smem); a call sets its stream and launches."""
         if smem > self._smem_limit:
             self._allow_smem(smem)
-        attribute = driver.CUlaunchAttribute()
-        attribute.id = (
-            driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        )
-        attribute.value.programmaticStreamSerializationAllowed = 1
-        config = driver.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = grid
-        config.blockDimX, config.blockDimY, config.blockDimZ = block
-        config.sharedMemBytes, config.hStream = smem, driver.CUstream(stream)
-        config.attrs, config.numAttrs = [attribute], 1
-        (err,) = driver.cuLaunchKernelEx(config, self.function, self.packer.pack(args), 0)
+        try:
+            configs = self._pdl_configs.by_shape
+        except AttributeError:
+            configs = self._pdl_configs.by_shape = {}
+        key = (grid, block, smem)
+        config = configs.get(key)
+        if config is None:
+            from cuda.bindings import driver
+
+            attribute = driver.CUlaunchAttribute()
+            attribute.id = (
+                driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            )
+            attribute.value.programmaticStreamSerializationAllowed = 1
+            config = driver.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid
+            config.blockDimX, config.blockDimY, config.blockDimZ = block
+            config.sharedMemBytes = smem
+            config.attrs, config.numAttrs = [attribute], 1
+            configs[key] = config
+        config.hStream = stream
+        (err,) = self._launch_ex(config, self.function, self.packer.pack(args), 0)
         if int(err):
             raise LaunchError(
                 f"launching {self.name} (programmatic) on cuda:{self.device} failed: {err!r}"

@@ -396,5 +396,8 @@ def test_prebuild_specs_cover_workloads():
     labels = {s.label for s in specs}
     for bulk in (True, False):  # the combined cache's bulk copies; other caches' cp.async
         config = qk.default_config(128, 0, bulk)
-        assert qk.decode_family.spec((16, 128, *config, bulk)).label in labels
-    assert {s.family for s in specs} == {"qsa_slots", "qsa_decode", "qsa_decode_cluster"}
+        family, params = qk.decode_plan(16, 128, 0, False, bulk, config, qsa.TMMA, qsa.LEAN_LOOP)
+        assert family.spec(params).label in labels  # the single pass in the shipped loop form
+    families = {"qsa_slots", "qsa_decode_cluster"}
+    families.add("qsa_decode_form" if qsa.TMMA or qsa.LEAN_LOOP else "qsa_decode")
+    assert {s.family for s in specs} == families

@@ -100,13 +100,15 @@ def test_warmup_plans_are_what_the_dispatcher_launches(monkeypatch, hq, hkv, d, 
     seen = set()
     kernel = FakeKernel([])
     monkeypatch.setattr(qk.KernelFamily, "get", lambda f, p, device: seen.add((f, p)) or kernel)
-    entries = qsa.SLOT_ENTRIES_PER_THREAD
-    plans = qk.dispatch_plans(hq // hkv, d, 64, hkv, topk, combined and d == 128, SMS, entries)
+    entries, forms = qsa.SLOT_ENTRIES_PER_THREAD, (qsa.TMMA, qsa.LEAN_LOOP)
+    plans = qk.dispatch_plans(
+        hq // hkv, d, 64, hkv, topk, combined and d == 128, SMS, entries, *forms
+    )
     for rows in range(1, -(-qk.DECODE_MIN_PROGRAMS // hkv) + 1):
         args = qsa_args(rows=rows, hq=hq, hkv=hkv, d=d, page=64, topk=topk, combined=combined)
         qsa._decode_launch(*list(args.values())[:8], qsa.split_count(rows, hkv, topk))
     assert seen == set(plans)
-    prebuilt = {s.label for s in qk.all_specs(hq // hkv, d, 64, entries)}
+    prebuilt = {s.label for s in qk.all_specs(hq // hkv, d, 64, entries, *forms)}
     assert {f.spec(p).label for f, p in plans} <= prebuilt
 
 
@@ -228,7 +230,7 @@ def test_gpu_loop_forms(monkeypatch, group, d, bulk, tmma, lean, topk):
                                  width=-(-topk // 64) + 3, num_blocks=60, device="cuda",
                                  seed=group + d + topk, combined=bulk))  # fmt: skip
     case["out"].fill_(math.nan)
-    launch = qsa._decode_launch(*args_of(case))
+    launch = qsa._decode_launch(*args_of(case)[:8])  # the tensors; scales are run()'s
     family = "qsa_decode_form" if tmma and group <= 8 or lean else "qsa_decode"
     assert launch.kernel.name.startswith(family + "[")
     got = qsa.qsa_sparse_paged_decode(*args_of(case))

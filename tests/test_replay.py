@@ -32,6 +32,8 @@ class FakeKernel:
     def launch(self, grid, block, stream, args, smem=0):
         self.launches.append((grid, block, args, smem))
 
+    launch_programmatic = launch  # qsa.PDL's launches, recorded alike
+
     def blocks_per_sm(self, threads, smem=0):
         return 1
 
@@ -291,7 +293,8 @@ def test_qsa_changes_the_checks_refuse_miss(qsa_stub, monkeypatch):
     for args, exc in bad.values():
         with pytest.raises(exc):
             qsa.qsa_sparse_paged_decode(**args)
-    monkeypatch.setattr(qsa, "SLOT_ENTRIES_PER_THREAD", 4)  # an opt-in flip
+    # a flipped launch choice (part of the replay key)
+    monkeypatch.setattr(qsa, "SLOT_ENTRIES_PER_THREAD", 5 - qsa.SLOT_ENTRIES_PER_THREAD)
     assert stub.runs(lambda: qsa.qsa_sparse_paged_decode(**base)) == 1
     for name in SWITCHES:
         monkeypatch.setenv(name, "1")
