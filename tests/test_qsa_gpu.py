@@ -64,19 +64,21 @@ def test_gpu_cluster_split_k(shape, splits, fused, strict):
     assert (case["out"][1] == 0).all() and (case["out"][3] == 0).all()
 
 
-# Opt-in variants (tools/bench_qsa.py --lean): (num_splits, overrides of _run_kernels).
-# Bulk copies need the combined cache (even topk below); the others run on both layouts.
+# Launch choices other than the shipped ones (tools/bench_qsa.py --lean compares them):
+# (num_splits, overrides of _run_kernels). Bulk copies need the combined cache (even topk
+# below); the others run on both layouts.
 OPT_IN = [
-    (1, dict(slot_entries=4)),
+    (1, dict(slot_entries=1, pdl=False)),
     (1, dict(slot_entries=8, pdl=True)),
+    (1, dict(tmma=False, lean=False)),  # the single pass before its loop forms
+    (1, dict(tmma=False, lean=True)),
     (1, dict(bulk=False)),
     (1, dict(config=(4, 4, 3))),
     (2, dict(bulk=True)),
     (8, dict(bulk=True, config=(4, 3, 4))),
     (4, dict(config=(8, 3, 1), pdl=True)),
     (2, dict(fused=False, slot_entries=2)),
-    (1, dict(tmma=True)),  # groups <= 8 (hq 8, hkv 2 below); ignored at 16
-    (1, dict(lean=True)),
+    (1, dict(tmma=True, lean=False)),  # groups <= 8 (hq 8, hkv 2 below); ignored at 16
     (1, dict(tmma=True, lean=True, bulk=False)),
 ]
 
@@ -85,8 +87,8 @@ OPT_IN = [
 @pytest.mark.parametrize("variant", OPT_IN)
 @pytest.mark.parametrize("topk, hq, hkv", [(40, 8, 2), (77, 16, 1), (1000, 64, 4)])
 def test_gpu_opt_in_variants(variant, topk, hq, hkv, strict):
-    """Every opt-in variant on short (fewer chunks than stages) and long selections, with the
-    -1 / valid-count / bad-request hazards."""
+    """Every alternative launch choice on short (fewer chunks than stages) and long
+    selections, with the -1 / valid-count / bad-request hazards."""
     splits, overrides = variant
     if overrides.get("bulk") and topk % 2:
         pytest.skip("bulk copies need the combined cache")

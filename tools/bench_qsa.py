@@ -1,7 +1,7 @@
 """Benchmark QSA fp8 sparse paged decode on a GPU: split-count sweep, crossover, issue table.
 
     python tools/bench_qsa.py [--no-sweep]            # about 1.5 minutes on the H200
-    python tools/bench_qsa.py --lean                  # issue-shape k table, opt-in vs default, issue table
+    python tools/bench_qsa.py --lean                  # issue-shape k table, alternatives vs default, issue table
     python tools/bench_qsa.py --ncu-one [--splits K]  # ONE decode launch, rows=512 (for ncu)
 
 Inputs follow the issue: D=128, page 64, valid_count uniform in [topk/2, topk] and -1 past
@@ -53,28 +53,26 @@ ISSUE_SHAPES = {
 VARIANTS = [("k1", 1, False), ("k2 f", 2, True), ("k2 s", 2, False), ("k4 f", 4, True)]
 VARIANTS += [("k4 s", 4, False), ("k8 f", 8, True), ("k8 s", 8, False)]
 VARIANTS_LEAN = [("k1", 1, False), ("k2 f", 2, True), ("k2 s", 2, False), ("k4 f", 4, True)]
-# Opt-in variants (not dispatched): label -> _run_kernels overrides, at the dispatcher's
-# split count. "pdl": programmatic dependent launches (each kernel's launch overlaps the
-# previous kernel's tail: the slot pass's, and in a graph of back-to-back calls the previous
-# call's). "slots xN": N slot-pass entries per thread, all loads in flight (two round trips
-# a thread instead of three, N times fewer threads). "cp.async" / "bulk sN": the other
-# gather, to check the shipped rule (bulk on the combined cache except one-wave clusters).
-# The single pass's loop forms: "tmma" tokens as the MMAs' rows (groups <= 8: the 2048-row
-# and 256-row shapes; the 512-row shape's group of 16 runs the default there), "lean" loop
-# invariants kept in registers, "all" both with 4 slot entries and PDL.
-OPT_IN_SINGLE = {
-    "pdl": dict(pdl=True),
-    "slots x4": dict(slot_entries=4),
+# Alternatives to the shipped launch choices (not dispatched): label -> _run_kernels
+# overrides, at the dispatcher's split count. The shipped single pass launches every kernel
+# as a programmatic dependent launch (PDL: each kernel's launch overlaps the previous
+# kernel's tail: the slot pass's, and in a graph of back-to-back calls the previous call's),
+# runs 4 slot-pass entries per thread (all loads in flight) and the loop forms TMMA (groups
+# <= 8: the chunk's tokens as the MMAs' rows; the 512-row shape's group of 16 keeps its
+# head rows) and LEAN (loop invariants kept in registers); each column turns one off, or
+# all ("previous": the form before them). "cp.async" / "bulk sN": the other gather, to
+# check the shipped rule (bulk on the combined cache except one-wave clusters).
+ALT_SINGLE = {
+    "no pdl": dict(pdl=False),
+    "slots x1": dict(slot_entries=1),
     "slots x8": dict(slot_entries=8),
-    "slots x4 pdl": dict(slot_entries=4, pdl=True),
     "cp.async": dict(bulk=False),
-    "tmma": dict(tmma=True),
-    "lean": dict(lean=True),
-    "tmma lean": dict(tmma=True, lean=True),
-    "all": dict(tmma=True, lean=True, slot_entries=4, pdl=True),
+    "no tmma": dict(tmma=False),
+    "no lean": dict(lean=False),
+    "previous": dict(tmma=False, lean=False, slot_entries=1, pdl=False),
 }
-OPT_IN_CLUSTER = {
-    "pdl": dict(pdl=True),
+ALT_CLUSTER = {
+    "no pdl": dict(pdl=False),
     "cp.async": dict(bulk=False),
     "bulk s2": dict(bulk=True, config=qk.BULK_CLUSTER),
     "bulk s3": dict(bulk=True, config=(4, 3, 4)),
@@ -302,12 +300,12 @@ def bench_splits(gib, shapes, title, with_probe, variants=VARIANTS) -> None:
     print(table([*head, "best", "rule k"], out))
 
 
-def bench_opt_in(gib) -> None:
-    """Each issue shape: the shipped path against the opt-in variants at the same split
+def bench_alternatives(gib) -> None:
+    """Each issue shape: the shipped path against the alternatives at the same split
     count. The default is timed before and after the variants (drift check); a variant
     WINS only when it beats the better default time by more than 1%."""
-    print("\n== opt-in variants vs the shipped default (graph µs per call, same split count)")
-    labels = list(dict.fromkeys([*OPT_IN_SINGLE, *OPT_IN_CLUSTER]))
+    print("\n== alternatives vs the shipped default (graph µs per call, same split count)")
+    labels = list(dict.fromkeys([*ALT_SINGLE, *ALT_CLUSTER]))
     out, verdicts = [], []
     for i, shape in enumerate(ISSUE_SHAPES):
         rows, hq, hkv, topk = shape
@@ -319,7 +317,7 @@ def bench_opt_in(gib) -> None:
             k = 1 if single else qsa.split_count(rows, hkv, topk)
             before = timed(variant(k, None), sets, expect)
             times = {}
-            for label, kw in (OPT_IN_SINGLE if single else OPT_IN_CLUSTER).items():
+            for label, kw in (ALT_SINGLE if single else ALT_CLUSTER).items():
                 run = lambda a, kw=kw, k=k: qsa._run_kernels(*a, num_splits=k, **kw)  # noqa: E731
                 times[label] = timed(run, sets, expect)
             after = timed(variant(k, None), sets, expect)
@@ -332,21 +330,20 @@ def bench_opt_in(gib) -> None:
             verdict = "WIN" if win else "default"
             out.append([*row, best, gain, verdict])
             verdicts.append(
-                f"{name}: {'opt-in ' + best + ' ' + verdict if win else 'default stays'}"
+                f"{name}: {'alternative ' + best + ' ' + verdict if win else 'default stays'}"
             )
             del sets
         except Exception as exc:
             traceback.print_exc()
             out.append([name, f"ERR {type(exc).__name__}: {exc}"[:60]])
         torch.cuda.empty_cache()
-    head = ["rows/Hq/Hkv/topk", "k", "default", "default again", *labels, "best opt-in", "gain"]
+    head = ["rows/Hq/Hkv/topk", "k", "default", "default again", *labels, "best other", "gain"]
     print(table([*head, "verdict"], out))
-    print("opt-in verdicts: " + "; ".join(verdicts))
+    print("verdicts: " + "; ".join(verdicts))
     print(
-        "flips (one line each, flashinfer_jit/qsa.py): PDL = True for pdl, "
-        "SLOT_ENTRIES_PER_THREAD = 4 or 8 for slots x4 / x8, TMMA = True for tmma, "
-        "LEAN_LOOP = True for lean; cp.async / bulk sN winning over the default means the "
-        "gather rule (qsa_kernels.takes_bulk, BULK_CLUSTER) moves"
+        "flips (one line each, flashinfer_jit/qsa.py): PDL, SLOT_ENTRIES_PER_THREAD, TMMA, "
+        "LEAN_LOOP; cp.async / bulk sN winning over the default means the gather rule "
+        "(qsa_kernels.takes_bulk, BULK_CLUSTER) moves"
     )
 
 
@@ -403,7 +400,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-sweep", action="store_true", help="issue shapes and table only")
     parser.add_argument(
-        "--lean", action="store_true", help="issue-shape k table, opt-in comparison, issue table"
+        "--lean",
+        action="store_true",
+        help="issue-shape k table, alternatives vs the default, issue table",
     )
     parser.add_argument("--gib", type=float, default=6.0, help="cache pool size")
     parser.add_argument("--ncu-one", action="store_true", help="one decode launch, then exit")
@@ -428,7 +427,7 @@ def main() -> None:
     crossover = [(r, 64, 4, t) for t in (2048, 8192) for r in (16, 64, 256)]
     sweep = not (opts.no_sweep or opts.lean)
     sections.append((sweep, lambda gib: bench_splits(gib, crossover, "G=16 Hkv=4", False)))
-    sections.append((True, bench_opt_in))
+    sections.append((True, bench_alternatives))
     sections.append((True, bench_issue))
     for enabled, section in sections:
         if enabled:
