@@ -5,11 +5,11 @@
 over the cache tokens row r selects (see ``qsa_ref.resolve_entries`` for what is
 attended). Read top to bottom: the launches (slot pass -> decode; small batches split the
 selection over a thread block cluster that merges through distributed shared memory and
-resolves its own slots), the dispatch gate, the torch custom op and public functions,
-warm-up and prebuild. The kernel families, their configs and the split rule live in
-``qsa_kernels``, argument checks and the kernels' applicability in ``qsa_checks``, the
-launch arguments in ``qsa_launch``; the torch path (``qsa_ref``) defines the semantics and
-serves CPU tensors and every call the kernels cannot take.
+resolves its own slots), the dispatch gate, the torch custom op and public functions.
+The kernel families, their configs and the split rule live in ``qsa_kernels``, argument
+checks and the kernels' applicability in ``qsa_checks``, the launch arguments in
+``qsa_launch``, warm-up and prebuild in ``qsa_warmup``; the torch path (``qsa_ref``)
+defines the semantics and serves CPU tensors and every call the kernels cannot take.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from jit_kernels import (
-    KernelSpec,
     KernelUnavailable,
     capability,
     current_stream,
@@ -30,8 +29,6 @@ from jit_kernels.plan_cache import PlanCache
 from ._jit import cuda_device_index
 from .qsa_checks import (
     FP8_CACHE_DTYPES,
-    HEAD_DIMS,
-    MAX_GROUP,
     check_args,
     kernel_refusal,
     offset_bits,
@@ -43,10 +40,8 @@ from .qsa_kernels import (
     DECODE_MIN_PROGRAMS,
     SLOT_ENTRIES,
     SLOT_THREADS,
-    all_specs,
     decode_plan,
     decode_smem_bytes,
-    dispatch_plans,
     fused_fits,
     gather_choice,
     slot_plan,
@@ -378,75 +373,13 @@ def qsa_sparse_paged_attention(
     )  # fmt: skip
 
 
-# -- warm-up and prebuild -----------------------------------------------------------------------
-# TOPK (the issue lists a "TOPK tile count" axis) is not a template parameter: the decode
-# loop runs to each row's own valid count. It decides the split counts and whether a
-# cluster's splits can resolve their own slots, so warm-up (which knows the selection width
-# and the device) compiles exactly what the dispatcher reaches, and prebuild (which knows
-# neither) every variant.
-def warmup_qsa_fp8_decode(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, *, num_query_heads: int, selection_width: int
-) -> tuple[tuple, ...]:
-    """Compile and load every kernel a serving step over ``kv_cache`` needs.
+# Warm-up and prebuild (they read the launch choices above at call time).
+from .qsa_warmup import prebuild_specs, warmup_qsa_fp8_decode  # noqa: E402
 
-    ``kv_cache`` is the combined [num_blocks, Hkv, page_size, 2 * D] cache (uint8 codes or
-    float8_e4m3fn). Returns one (family, parameters) entry per kernel made ready: the slot
-    pass, the single pass and the cluster split-K kernels that calls of any row count reach
-    (split over ``kv_cache.transpose(1, 2).split(D, -1)``), or () where the fp8 kernels do
-    not apply (CPU, dtype, arch, shape, or kernels disabled). ``selection_width`` is TOPK.
-    """
-    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4:
-        raise ValueError(
-            "kv_cache must be a 4-D tensor [num_blocks, num_kv_heads, page_size, 2 * head_dim]"
-        )
-    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
-        raise ValueError("block_table must be a 2-D tensor [num_requests, width]")
-    if selection_width < 0:
-        raise ValueError(f"selection_width must be >= 0, got {selection_width}")
-    _, num_kv_heads, page_size, width = kv_cache.shape
-    head_dim = width // 2
-    if (
-        kernels_disabled()
-        or kv_cache.device.type != "cuda"
-        or kv_cache.dtype not in FP8_CACHE_DTYPES
-        or width % 2
-        or head_dim not in HEAD_DIMS
-        or num_kv_heads < 1
-        or num_query_heads % num_kv_heads
-        or not 1 <= num_query_heads // num_kv_heads <= MAX_GROUP
-        or capability(cuda_device_index(kv_cache)) < (8, 9)
-    ):
-        return ()
-    device = cuda_device_index(kv_cache)
-    k_cache, v_cache = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
-    plans = dispatch_plans(
-        num_query_heads // num_kv_heads,
-        head_dim,
-        page_size,
-        num_kv_heads,
-        selection_width,
-        _bulk_ok(k_cache, v_cache, device),
-        sm_count(device),
-        SLOT_ENTRIES_PER_THREAD,
-        TMMA,
-        LEAN_LOOP,
-    )
-    for family, params in plans:
-        family.get(params, device)
-    return tuple((family.family, params) for family, params in plans)
-
-
-def prebuild_specs(workloads: dict) -> list[KernelSpec]:
-    """Every specialization the shipped workloads can reach."""
-    specs: set[KernelSpec] = set()
-    entries = SLOT_ENTRIES_PER_THREAD
-    for entry in workloads["configs"]:
-        for head_dim in entry["head_dims"]:
-            for group in entry["group_sizes"]:
-                for page_size in entry["page_sizes"]:
-                    specs.update(
-                        all_specs(
-                            int(group), int(head_dim), int(page_size), entries, TMMA, LEAN_LOOP
-                        )
-                    )
-    return sorted(specs, key=str)
+__all__ = [
+    "prebuild_specs",
+    "qsa_sparse_paged_attention",
+    "qsa_sparse_paged_decode",
+    "use_fp8_decode_kernel",
+    "warmup_qsa_fp8_decode",
+]

@@ -20,7 +20,8 @@ from flashinfer_jit.mqa_logits_tma import (
 )
 from jit_kernels import KernelUnavailable, compile_cubin, render
 
-from .test_mqa_logits import EDGE_LENS, _sass, assert_close, make_inputs, reference, run_and_check
+from .test_mqa_logits import EDGE_LENS, assert_close, make_inputs, reference, run_and_check
+from .test_mqa_logits_build import _sass
 
 SHIPPED_N = sorted({nn * h for nn in (1, 2, 3, 4) for h in (32, 64)})
 

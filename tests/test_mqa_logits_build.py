@@ -1,0 +1,215 @@
+"""fp8_paged_mqa_logits without a GPU: registration, workloads, compilation of every
+shipped specialization (SASS checks), launch configs and the repeat-call replay."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flashinfer_jit.mqa_logits as mq
+from flashinfer_jit.mqa_logits import (
+    fp8_paged_mqa_logits,
+    padded_seq_len,
+)
+
+from .test_mqa_logits import (
+    _args,
+    make_inputs,
+)
+
+
+# -- registration, workloads, compilation (no GPU needed) ---------------------------------
+def test_custom_op_registered():
+    op = torch.ops.flashinfer_jit.fp8_paged_mqa_logits
+    a = _args()
+    out = torch.empty(4, padded_seq_len(a["max_seq_len"]))
+    torch.library.opcheck(
+        op,
+        (
+            a["q"],
+            a["kv_fused"],
+            a["weights"],
+            a["block_tables"],
+            a["seq_lens"],
+            a["max_seq_len"],
+            torch.float32,
+            torch.float32,
+            torch.float32,
+            None,
+            out,
+        ),
+        test_utils=("test_faketensor", "test_autograd_registration"),
+    )
+
+
+def test_prebuild_specs_cover_workloads():
+    import json
+
+    from flashinfer_jit._jit import WORKLOAD_ROOT
+
+    workloads = json.loads((WORKLOAD_ROOT / mq.WORKLOADS).read_text())
+    specs = mq.prebuild_specs(workloads)
+    labels = [s.label for s in specs]
+    assert any(s.family == "mqa_logits_schedule" for s in specs)
+    assert sum(s.family == "mqa_logits_generic" for s in specs) == 8  # every dtype triple
+    shapes = math.prod(
+        len(workloads[k]) for k in ("next_n", "num_heads", "head_dim", "block_size", "output_dtype")
+    )
+    # Every workload point has its ring/direct kernel (every arch) and, at head_dim 128, the
+    # TMA kernel, which is built for sm_90a only.
+    tma = [s for s in specs if s.family == "mqa_logits_tma"]
+    assert len(tma) == shapes and all(s.archs == ("sm_90a",) for s in tma)
+    assert not any(s.supports("sm_100a") for s in tma)
+    assert len(specs) == 1 + 8 + 2 * shapes
+    assert all("portable=False" in lbl for lbl in labels if lbl.startswith("mqa_logits["))
+
+
+def _sass(cubin: bytes, tmp_path) -> tuple[str, str]:
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = shutil.which("cuobjdump") or str(
+        Path(sys.prefix) / "lib" / f"python{sys.version_info.major}."
+        f"{sys.version_info.minor}" / "site-packages/nvidia/cu13/bin/cuobjdump"
+    )
+    if not Path(tool).exists():
+        pytest.skip("cuobjdump not installed")
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cubin)
+    sass = subprocess.run(
+        [tool, "-sass", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    res = subprocess.run(
+        [tool, "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    return sass, res
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        (1, 64, 128, 64, torch.float32, torch.float32, torch.float32),
+        (4, 64, 128, 32, torch.float16, torch.float16, torch.float16),
+        (2, 4, 96, 128, torch.float32, torch.float16, torch.float32),
+    ],
+)
+def test_kernels_compile(arch, params, tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from flashinfer_jit._jit import BUILDER
+    from jit_kernels import compile_cubin, render
+
+    spec = mq._logits_family.spec(mq._params(*params))
+    cubin = compile_cubin(render(spec, BUILDER.template_root), arch).cubin
+    sass, res = _sass(cubin, tmp_path)
+    assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills on {arch}: {res}"
+    if arch == "sm_90a":
+        assert "QGMMA" in sass, "the sm_90a path must use fp8 wgmma"
+    else:
+        assert "HMMA" in sass
+    assert "UBLKCP" in sass, "the ring kernel streams K with cp.async.bulk"
+    sched = mq._schedule_family.spec((256,))
+    assert compile_cubin(render(sched, BUILDER.template_root), arch).cubin
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_generic_kernel_compiles(arch, tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from flashinfer_jit._jit import BUILDER
+    from flashinfer_jit.mqa_logits_generic import generic_specs
+    from jit_kernels import compile_cubin, render
+
+    spec = generic_specs()[0]
+    sass, res = _sass(compile_cubin(render(spec, BUILDER.template_root), arch).cubin, tmp_path)
+    assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills on {arch}: {res}"
+    assert ("QGMMA" if arch == "sm_90a" else "HMMA") in sass
+
+
+def test_launch_configs_fit_the_register_file():
+    """9 warps get 168 registers (4 sub-partitions of 16K, ceil(9/4) = 3 warps each): the
+    chosen ring config must leave its consumers room, or the launch fails with error 701."""
+    from flashinfer_jit.mqa_logits_checks import direct_config, reg_cap, ring_regs
+
+    assert (reg_cap(288), reg_cap(160), reg_cap(416), reg_cap(256), reg_cap(384)) == (
+        168,
+        255,
+        128,
+        255,
+        168,
+    )
+    for dim in range(32, 257, 32):
+        for n in range(8, 257, 8):
+            cfg = mq.launch_config(n, dim)
+            if cfg is None:
+                assert direct_config(n, dim) is None
+                continue
+            warpgroups, stages, ring = cfg
+            if ring:
+                assert ring_regs(n, dim) <= reg_cap(128 * warpgroups + 32), (n, dim, cfg)
+                assert stages >= 4 and stages % warpgroups == 0
+
+
+def test_fast_path_replays_the_full_path(monkeypatch, request):
+    """A repeated call (same metadata, new tensors) launches with the same arguments as the
+    full path would, with the new addresses; a changed layout takes the full path."""
+    calls = []
+
+    class Kernel:
+        name = "fake"
+
+        def launch(self, grid, block, stream, args, smem):
+            calls.append((grid, block, args, smem))
+
+    plan = (Kernel(), (7, 1, 1), (288, 1, 1), 1234, (), None)
+    monkeypatch.setattr(mq, "_kernel_refusal", lambda q, kv: None)
+    monkeypatch.setattr(mq, "_plan", lambda *a: plan)
+    import flashinfer_jit.mqa_logits_launch as mql
+
+    monkeypatch.setattr(mq, "cuda_device_index", lambda t: 0)
+    monkeypatch.setattr(mql, "current_stream", lambda d: 0)
+    mq._replays.clear()
+    request.addfinalizer(mq._replays.clear)  # launches of the fake plan must not outlive the test
+    a = make_inputs([70, 5, 300], next_n=2, heads=32, seed=1)
+    b = make_inputs([70, 5, 300], next_n=2, heads=32, seed=2)
+    max_len = a[5]
+    wide = torch.empty(6, padded_seq_len(max_len) + 40)
+    for out in (None, wide):
+        calls.clear()
+        for inputs in (a, b, a):
+            got = fp8_paged_mqa_logits(*inputs[:5], max_len, out=out)
+            assert got.shape == (6, max_len)
+            assert out is None or got.data_ptr() == wide.data_ptr()
+        assert len(mq._replays) >= 1
+        full, fast_b, fast_a = calls
+        assert full[2][:3] == fast_a[2][:3] and full[2][4:8] == fast_a[2][4:8]
+        assert full[2][9:] == fast_a[2][9:] == fast_b[2][9:]
+        assert fast_b[2][0] == b[0].data_ptr() and fast_b[2][5] == b[4].data_ptr()
+        assert (full[0], full[1], full[3]) == (fast_b[0], fast_b[1], fast_b[3])
+    # A strided block table (a new layout) misses the fast path and still passes its stride.
+    table = torch.zeros(3, 2 * a[3].shape[1], dtype=torch.int32)[:, ::2]
+    with pytest.raises(ValueError, match="block_tables rows must be contiguous"):
+        fp8_paged_mqa_logits(*a[:3], table, a[4], max_len)
+    wide_table = torch.zeros(6, a[3].shape[1], dtype=torch.int32)[::2]
+    calls.clear()
+    fp8_paged_mqa_logits(*a[:3], wide_table, a[4], max_len)
+    fp8_paged_mqa_logits(*a[:3], wide_table, a[4], max_len)
+    assert calls[0][2][4] == calls[1][2][4] == 2 * a[3].shape[1]
+
+
+def test_direct_kernel_compiles_for_wide_heads(tmp_path):
+    """head_dim 512 with next_n*num_heads 256 leaves room for fewer than 4 ring stages: the
+    dispatcher picks the register-fed direct kernel, which must compile without spills."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from flashinfer_jit._jit import BUILDER
+    from jit_kernels import compile_cubin, render
+
+    assert mq.launch_config(256, 512)[2] is False
+    f32 = torch.float32
+    spec = mq._logits_family.spec(mq._params(4, 64, 512, 64, f32, f32, f32))
+    sass, res = _sass(compile_cubin(render(spec, BUILDER.template_root), "sm_90a").cubin, tmp_path)
+    assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills: {res}"
+    assert "QGMMA" in sass
