@@ -63,11 +63,10 @@ WORKLOADS = "qsa_workloads.json"
 # heads); LEAN_LOOP, the loop's per-thread invariants stay in registers and the stages
 # advance by counters. sm_90a SASS per 16-token chunk (G=8, D=128, bulk): 332 instructions
 # before, 260 with both.
-# H200, graph µs per call (rows/Hq/Hkv/topk; all four off -> all four on): 512/64/4/2048
-# 243.9 -> 238.7, 2048/32/4/1024 478.0 -> 444.4, 256/32/8/4096 416.4 -> 410.5; PDL alone
-# at 4/64/4/2048 14.0 -> 13.5; 64/64/4/2048 (cluster, none applies but PDL) 43.7 / 43.5.
-# Each alone (same run): lean 242.7 / 471.7, tmma 464.4 at 2048, 4 entries + PDL 240.0 /
-# 477.0. The previous forms stay reachable for the benchmark's comparison and the tests.
+# H200, graph µs per call (BENCHMARKS.md, 512 / 2048 / 256 rows): shipped 241.3 / 450.2 /
+# 410.7; all four off 248.1 / 484.0 / 422.9; each one off: no PDL 243.3 / 451.8 / 416.0,
+# 1 slot entry 245.8 / 454.2 / 416.4, no TMMA - / 473.0 / 416.3, no LEAN 243.1 / 458.1 /
+# 414.0. The other forms stay reachable for that comparison and are GPU-tested.
 PDL = True
 SLOT_ENTRIES_PER_THREAD = 4
 TMMA = True
@@ -94,7 +93,7 @@ def _run_kernels(
     run the splits as one thread block cluster. ``fused`` (clusters only): resolve the slots
     in the decode, no slot pass; None takes it when a split's share fits CLUSTER_SLOT_CAP.
     ``overrides`` (``_decode_launch``'s config, bulk, pdl, slot_entries) replace the shipped
-    choices: the benchmark's opt-in variants."""
+    choices: the benchmark's alternatives."""
     tensors = (q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, output_gate)
     launch = _decode_launch(*tensors, num_splits, fused, **overrides)
     if not launch.run(*tensors, softmax_scale, output_scale):
@@ -282,7 +281,7 @@ def _(q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, outp
 # Eager calls that repeat an earlier kernel call's metadata replay its launch (only the
 # addresses' alignment is checked again): the checks, the dispatch and the launch shapes
 # depend on nothing else. The key (jit_kernels.plan_cache) also holds the dispatch flag
-# and the opt-in flips the dispatcher reads per call.
+# and the launch choices the dispatcher reads per call.
 _replays: PlanCache[DecodeLaunch] = PlanCache()
 
 

@@ -3,8 +3,9 @@
 ``qsa._decode_launch`` picks a call's kernels with these helpers, and warm-up and prebuild
 enumerate their specializations with the same helpers, so the three cannot drift apart.
 
-The shipped feature set comes from one H200 sweep of opt-in variants (CUDA-graph µs per
-call, whole call; D=128, page 64, the issue's inputs; rows/Hq/Hkv/topk):
+The gathers and split-K forms come from one H200 sweep of variants (CUDA-graph µs per
+call, whole call; D=128, page 64, the issue's inputs; rows/Hq/Hkv/topk; the single pass's
+later loop forms, slot entries and PDL: qsa.py's launch choices and BENCHMARKS.md):
 
     single pass                        512/64/4/2048   2048/32/4/1024
       cp.async gathers (before)            274.4           513.1
@@ -88,7 +89,7 @@ decode_family = kernel_family(
     (*_DECODE_PARAMS, "bulk"),
     _DECODE_SIGNATURE,
 )
-# The single pass in an opt-in loop form (qsa.TMMA, qsa.LEAN_LOOP; decode_plan).
+# The single pass in its TMMA / LEAN loop form (qsa.TMMA, qsa.LEAN_LOOP: shipped; decode_plan).
 decode_form_family = kernel_family(
     "qsa_decode_form",
     "qsa_decode.cuh",
@@ -202,7 +203,7 @@ def decode_plan(
     lean: bool = False,
 ) -> Plan:
     """The decode kernel of a single pass (``cluster`` 0) or of a cluster split-K. The single
-    pass's opt-in loop forms: ``tmma``, tokens as the MMAs' rows (groups of at most 8
+    pass's loop forms: ``tmma``, tokens as the MMAs' rows (groups of at most 8
     heads; ignored above); ``lean``, loop invariants kept in registers."""
     if not cluster:
         tmma = tmma and group <= TMMA_MAX_GROUP

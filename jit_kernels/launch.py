@@ -36,6 +36,9 @@ _STRUCT_CODE = {"P": "Q", "M": "128s"}
 _SIZE = {"M": 128}
 
 
+_PDL_CONFIGS = 256  # launch configs a kernel keeps for launch_programmatic
+
+
 class LaunchError(RuntimeError):
     pass
 
@@ -115,9 +118,9 @@ class LoadedKernel:
             self.function = _check(driver.cuKernelGetFunction(kernel), "cuKernelGetFunction")
         self._smem_limit = 48 * 1024
         self._launch, self._launch_ex = driver.cuLaunchKernel, driver.cuLaunchKernelEx
-        # Per thread (a call sets the config's stream, then launches with it), like the
-        # packer's buffers: (grid, block, smem) -> CUlaunchConfig of launch_programmatic.
-        self._pdl_configs = threading.local()
+        # (grid, block, smem, stream) -> CUlaunchConfig of launch_programmatic: built once,
+        # never changed after (threads may share them); at most _PDL_CONFIGS kept.
+        self._pdl_configs: dict[tuple, object] = {}
 
     def _allow_smem(self, nbytes: int) -> None:
         from cuda.bindings import driver
@@ -176,15 +179,11 @@ class LoadedKernel:
         """``launch`` as a programmatic dependent launch: the grid may be scheduled while
         the stream's previous kernel finishes, so the kernel must wait for that kernel's
         results itself (``griddepcontrol.wait``) before reading them. The launch config is
-        built once per (grid, block, smem); a call sets its stream and launches."""
+        built once per (grid, block, smem, stream)."""
         if smem > self._smem_limit:
             self._allow_smem(smem)
-        try:
-            configs = self._pdl_configs.by_shape
-        except AttributeError:
-            configs = self._pdl_configs.by_shape = {}
-        key = (grid, block, smem)
-        config = configs.get(key)
+        key = (grid, block, smem, stream)
+        config = self._pdl_configs.get(key)
         if config is None:
             from cuda.bindings import driver
 
@@ -196,10 +195,11 @@ class LoadedKernel:
             config = driver.CUlaunchConfig()
             config.gridDimX, config.gridDimY, config.gridDimZ = grid
             config.blockDimX, config.blockDimY, config.blockDimZ = block
-            config.sharedMemBytes = smem
+            config.sharedMemBytes, config.hStream = smem, stream
             config.attrs, config.numAttrs = [attribute], 1
-            configs[key] = config
-        config.hStream = stream
+            if len(self._pdl_configs) >= _PDL_CONFIGS:  # grids follow row counts: bound it
+                self._pdl_configs.clear()
+            self._pdl_configs[key] = config
         (err,) = self._launch_ex(config, self.function, self.packer.pack(args), 0)
         if int(err):
             raise LaunchError(

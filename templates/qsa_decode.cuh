@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) qsa_decode(FIJ_QSA_D
   decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, 0, 0, BULK, false, false>(FIJ_QSA_DECODE_ARGS);
 }
 
-// The same in an opt-in loop form (see decode_body): TMMA (GROUP <= 8), tokens as the
+// The same in the shipped loop form (see decode_body): TMMA (GROUP <= 8), tokens as the
 // MMAs' rows; LEAN, the loop's invariants kept in registers.
 template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, bool BULK, bool TMMA, bool LEAN>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) qsa_decode_form(FIJ_QSA_DECODE_PARAMS) {

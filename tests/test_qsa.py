@@ -348,7 +348,7 @@ def _cuobjdump() -> str | None:
 
 
 # Beyond the shipped specializations: cluster sizes and slot caps the dispatcher does not
-# use (group, head dim, cluster, slot cap), and the opt-in knobs of tools/bench_qsa.py
+# use (group, head dim, cluster, slot cap), and the alternatives of tools/bench_qsa.py
 # --lean (slot-pass entries per thread; 3-stage bulk clusters).
 CLUSTER_EXTRA = [(5, 64, 3, 512), (16, 256, 2, 0), (1, 128, 7, 1024)]
 

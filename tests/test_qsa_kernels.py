@@ -1,9 +1,9 @@
 """QSA kernel selection (flashinfer_jit.qsa_kernels): the dispatcher's choice for the issue's
 calls, warm-up covering exactly what the dispatcher launches, the shipped configs' occupancy,
-the bulk-copy row layout, the replay of a bulk launch (CPU, kernels stubbed), and the opt-in
+the bulk-copy row layout, the replay of a bulk launch (CPU, kernels stubbed), and the
 loop forms of the single pass (TMMA, LEAN_LOOP: which kernel, compiled without spills). On
 the GPU: the slot pass's row order over many rows, a bulk launch's replay with V elsewhere,
-the opt-in flips (programmatic dependent launch, slot-pass entries, loop forms) through the
+the launch choices flipped (programmatic dependent launch, slot-pass entries, loop forms) through the
 public functions, and the loop forms over group sizes and head dims.
 """
 
@@ -220,7 +220,7 @@ def test_gpu_flips_back_to_back(monkeypatch, rows):
 @pytest.mark.parametrize("group, d, bulk, tmma, lean", FORMS)
 @pytest.mark.parametrize("topk", [40, 1000])
 def test_gpu_loop_forms(monkeypatch, group, d, bulk, tmma, lean, topk):
-    """The opt-in loop forms, flipped, through the public single pass: every group size
+    """The loop forms, each flipped, through the public single pass: every group size
     class and head dim, short and long selections, with the -1 / valid-count / bad-request /
     bad-page hazards, against the float64 reference."""
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
