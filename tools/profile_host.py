@@ -93,7 +93,8 @@ class StubKernel(LoadedKernel):
     def __init__(self, family: KernelFamily, params: tuple):
         self.name, self.device, self.packer = f"stub {family.family}{params}", 0, family.packer
         self.function, self._library, self._smem_limit = None, None, 1 << 30
-        self._launch = lambda *args: (0,)
+        self._launch = self._launch_ex = lambda *args: (0,)  # the driver's (CUresult,)
+        self._pdl_configs = {}  # launch_programmatic's configs (built with cuda-python)
 
     def blocks_per_sm(self, threads: int, smem: int = 0) -> int:
         return 1
