@@ -15,6 +15,7 @@ defines the semantics and serves CPU tensors and every call the kernels cannot t
 from __future__ import annotations
 
 import torch
+from torch.compiler import is_compiling as _is_compiling  # one global, not two lookups
 
 from jit_kernels import (
     KernelUnavailable,
@@ -286,16 +287,13 @@ _replays: PlanCache[DecodeLaunch] = PlanCache()
 
 
 # fmt: off
-def _call(q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, output_gate,
-          softmax_scale, output_scale, dispatch: bool) -> torch.Tensor:
-    args = (q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, output_gate,
-            softmax_scale, output_scale)
-    if torch.compiler.is_compiling():
-        check_args(*args)
-        _qsa_op(*args, dispatch)
-        return out
+def _replay_key(scalars, q, k_cache, v_cache, logical_indices, block_table, token_to_req, out,
+                output_gate) -> tuple | None:
+    """The replay key of a call (jit_kernels.plan_cache); None: not tensors (the checks say
+    what)."""
     try:
-        key = (
+        return (
+            scalars,
             q.shape, q.stride(), q.dtype, q.get_device(),
             k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.get_device(),
             v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(),
@@ -306,18 +304,37 @@ def _call(q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, 
             token_to_req.get_device(),
             out.shape, out.stride(), out.dtype, out.get_device(),
             output_gate.shape, output_gate.stride(), output_gate.dtype, output_gate.get_device(),
-            type(softmax_scale), softmax_scale, type(output_scale), output_scale, dispatch,
-            PDL, SLOT_ENTRIES_PER_THREAD, TMMA, LEAN_LOOP,
         )
-        launch = _replays.get(key)
-    except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
-        key = launch = None
+    except (AttributeError, TypeError):
+        return None
+
+
+def _call(q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, output_gate,
+          softmax_scale, output_scale, dispatch: bool) -> torch.Tensor:
+    args = (q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, output_gate,
+            softmax_scale, output_scale)
+    if _is_compiling():
+        check_args(*args)
+        _qsa_op(*args, dispatch)
+        return out
+    # The replay (jit_kernels.plan_cache): the guard of the last plan, else the key.
+    scalars = (
+        type(softmax_scale), softmax_scale, type(output_scale), output_scale, dispatch,
+        PDL, SLOT_ENTRIES_PER_THREAD, TMMA, LEAN_LOOP,
+    )
+    tensors = args[:8]
+    launch, key = _replays.recall(scalars, tensors), None
+    if launch is None:
+        key = _replay_key(scalars, *tensors)
+        launch = _replays.get(key, tensors)
     if launch is not None and launch.run(*args):
         return out
+    if key is None:  # a recalled launch declined these addresses: the full path's replaces it
+        key = _replay_key(scalars, *tensors)
     check_args(*args)
     launch = _impl(args, dispatch)  # eager calls skip the custom-op dispatcher's host cost
     if launch is not None and key is not None:
-        _replays.put(key, launch)
+        _replays.put(key, launch, tensors)
     return out
 # fmt: on
 

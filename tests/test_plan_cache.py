@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
+from jit_kernels import plan_cache
 from jit_kernels.plan_cache import PlanCache
 
 SWITCHES = ("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", "FLASHINFER_VALIDATE_INPUTS")
@@ -84,3 +86,111 @@ def test_other_environ_mapping_never_replays(monkeypatch):
         assert cache.get("key") is None
         cache.put("other", "plan")
     assert cache.get("key") == "plan" and cache.get("other") == "plan"
+
+
+# -- recall: the last plan's guard ------------------------------------------------------------
+needs_guard = pytest.mark.skipif(
+    plan_cache._make_guard is None, reason="this torch has no usable tensor guard"
+)
+
+
+def _tensors():
+    return (torch.zeros(4, 6), torch.zeros(3, dtype=torch.int32), plan_cache.absent())
+
+
+def _stored(scalars=("s", 1)):
+    cache, tensors = PlanCache(), _tensors()
+    cache.put((scalars, "metadata"), "plan", tensors)
+    return cache, tensors
+
+
+@needs_guard
+def test_recall_repeats_only_the_exact_metadata():
+    cache, tensors = _stored()
+    a, b, none = _tensors()
+    assert cache.recall(("s", 1), (a, b, none)) == "plan"  # new tensors, same metadata
+    changed = {
+        "shape": torch.zeros(6, 4),
+        "strides": torch.zeros(6, 4).t(),
+        "dtype": torch.zeros(4, 6, dtype=torch.float16),
+        "device type": torch.zeros(4, 6, device="meta"),
+        "rank": torch.zeros(4, 6, 1),
+        "requires_grad": torch.zeros(4, 6, requires_grad=True),
+        "given for None": torch.empty(0, device="meta"),  # another object, same metadata
+    }
+    for name, t in changed.items():
+        if name == "given for None":  # an optional tensor's None-ness is in the scalars
+            assert cache.recall(("s", 1, "given"), (a, b, t)) is None
+        else:
+            assert cache.recall(("s", 1), (t, b, none)) is None, name
+    assert cache.recall(("s", 2), (a, b, none)) is None  # other scalars
+    assert cache.recall(("s", 1), (a.tolist(), b, none)) is None  # not a tensor: no error
+    assert cache.recall(("s", 1), (a, b, none)) == "plan"
+
+
+@needs_guard
+def test_recall_follows_the_last_plan_found():
+    cache, (a, b, none) = _stored(("s", 1))
+    c = torch.zeros(5, 6)
+    cache.put((("s", 2), "other"), "plan 2", (c, b, none))
+    assert cache.recall(("s", 1), (a, b, none)) is None  # not the last plan
+    assert cache.get((("s", 1), "metadata"), (a, b, none)) == "plan"
+    assert cache.recall(("s", 1), (a, b, none)) == "plan"
+    assert cache.recall(("s", 2), (c, b, none)) is None
+
+
+@needs_guard
+@pytest.mark.parametrize("name", [*SWITCHES, "FLASHINFER_JIT_DISABLE"])
+def test_recall_honours_the_switches(monkeypatch, name):
+    cache, tensors = _stored()
+    monkeypatch.setenv(name, "1")
+    assert cache.recall(("s", 1), tensors) is None
+    monkeypatch.delenv(name)
+    assert cache.recall(("s", 1), tensors) == "plan"
+
+
+@needs_guard
+def test_recall_never_returns_a_plan_stored_without_tensors():
+    cache, tensors = PlanCache(), _tensors()
+    cache.put((("s", 1), "metadata"), "plan")
+    assert cache.recall(("s", 1), tensors) is None
+    assert cache.get((("s", 1), "metadata"), tensors) == "plan"  # the key still serves
+    assert cache.recall(("s", 1), tensors) is None
+
+
+@needs_guard
+def test_a_tensor_passed_twice_is_served_by_the_key():
+    """The guard refuses one tensor object in two places: such calls replay through the key
+    (and the guard is not rebuilt on every call)."""
+    cache, (a, b, _) = PlanCache(), _tensors()
+    cache.put((("s",), "metadata"), "plan", (a, a, b))
+    for _ in range(2):
+        assert cache.recall(("s",), (a, a, b)) is None
+        assert cache.get((("s",), "metadata"), (a, a, b)) == "plan"
+    assert cache._last[0][2] is plan_cache._never
+
+
+@needs_guard
+def test_guard_is_rebuilt_in_a_new_thread_mode():
+    """Inference mode changes the dispatch keys a guard compares: the first call there
+    misses, the key serves it and rebuilds the guard, and the next call recalls."""
+    cache, tensors = _stored()
+    with torch.inference_mode():
+        fresh = _tensors()
+        assert cache.recall(("s", 1), fresh) is None
+        assert cache.get((("s", 1), "metadata"), fresh) == "plan"
+        assert cache.recall(("s", 1), fresh) == "plan"
+
+
+def test_without_a_guard_the_key_serves(monkeypatch):
+    monkeypatch.setattr(plan_cache, "_make_guard", None)
+    cache, tensors = _stored()
+    assert cache.recall(("s", 1), tensors) is None
+    assert cache.get((("s", 1), "metadata"), tensors) == "plan"
+    assert cache.get((("s", [1]), "metadata"), tensors) is None  # unhashable: no error
+
+
+def test_this_torch_has_a_guard():
+    """The recall path is what makes repeat calls cheap: a torch upgrade that loses it
+    should be noticed (the ops stay correct through the key)."""
+    assert plan_cache._make_guard is not None

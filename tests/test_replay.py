@@ -14,7 +14,7 @@ import flashinfer_jit.mqa_logits as mq
 import flashinfer_jit.mqa_logits_launch as mql
 import flashinfer_jit.qsa as qsa
 import flashinfer_jit.qsa_launch as qsl
-from jit_kernels import KernelFamily
+from jit_kernels import KernelFamily, plan_cache
 from jit_kernels.plan_cache import PlanCache
 
 SWITCHES = ("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", "FLASHINFER_VALIDATE_INPUTS")
@@ -65,6 +65,16 @@ def stub(monkeypatch):
     for name in (*SWITCHES, "FLASHINFER_JIT_DISABLE"):
         monkeypatch.delenv(name, raising=False)
     return Stub()
+
+
+# The replay tests run twice: recalling through the tensor guard (jit_kernels.plan_cache),
+# and through the key alone (a torch without a usable guard).
+by_guard_and_key = pytest.mark.parametrize("by", ["guard", "key"])
+
+
+def replay_by(monkeypatch, by: str) -> None:
+    if by == "key":
+        monkeypatch.setattr(plan_cache, "_make_guard", None)
 
 
 # -- MQA ----------------------------------------------------------------------------------------
@@ -124,7 +134,9 @@ def _mqa_variants(a: dict) -> dict:
     }  # fmt: skip
 
 
-def test_mqa_repeat_replays_and_each_change_misses(mqa_stub):
+@by_guard_and_key
+def test_mqa_repeat_replays_and_each_change_misses(mqa_stub, by, monkeypatch):
+    replay_by(monkeypatch, by)
     stub, base = mqa_stub, mqa_args()
     assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 1
     assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**mqa_args())) == 0  # new tensors
@@ -139,8 +151,25 @@ def test_mqa_repeat_replays_and_each_change_misses(mqa_stub):
     assert not q.is_contiguous() and stub.launches[-1][2][0] != q.data_ptr()
 
 
-def test_mqa_changes_the_checks_refuse_miss(mqa_stub, monkeypatch):
+@by_guard_and_key
+def test_mqa_replays_in_inference_mode_and_after_a_declined_replay(mqa_stub, by, monkeypatch):
+    replay_by(monkeypatch, by)
+    stub, base = mqa_stub, mqa_args()
+    mq.fp8_paged_mqa_logits(**base)
+    with torch.inference_mode():  # other dispatch keys: the key serves, the guard follows
+        assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**mqa_args())) == 0
+        assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**mqa_args())) == 0
+    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 0
+    # q 1 byte off 16: the replay declines, the full path serves (its refusal is stubbed).
+    q = torch.zeros(base["q"].numel() + 1, dtype=torch.uint8)[1:].view(E4M3).view(3, 2, 32, 64)
+    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**dict(base, q=q))) == 1
+    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 0 and len(mq._replays) == 1
+
+
+@by_guard_and_key
+def test_mqa_changes_the_checks_refuse_miss(mqa_stub, monkeypatch, by):
     """Cached metadata never answers for a call the checks refuse (each scalar's type too)."""
+    replay_by(monkeypatch, by)
     stub, base = mqa_stub, mqa_args()
     mq.fp8_paged_mqa_logits(**dict(base, max_seq_len=1))
     assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**dict(base, max_seq_len=True))) == 1
@@ -158,7 +187,9 @@ def test_mqa_changes_the_checks_refuse_miss(mqa_stub, monkeypatch):
     assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 1
 
 
-def test_mqa_switches_take_effect_on_the_next_call(mqa_stub, monkeypatch):
+@by_guard_and_key
+def test_mqa_switches_take_effect_on_the_next_call(mqa_stub, monkeypatch, by):
+    replay_by(monkeypatch, by)
     stub, base = mqa_stub, mqa_args()
     mq.fp8_paged_mqa_logits(**base)
     launches = len(stub.launches)
@@ -263,7 +294,9 @@ def _qsa_variants(a: dict) -> dict:
 @pytest.mark.parametrize(
     "fn", [qsa.qsa_sparse_paged_decode, qsa.qsa_sparse_paged_attention], ids=["decode", "attn"]
 )
-def test_qsa_repeat_replays_and_each_change_misses(qsa_stub, fn):
+@by_guard_and_key
+def test_qsa_repeat_replays_and_each_change_misses(qsa_stub, fn, by, monkeypatch):
+    replay_by(monkeypatch, by)
     stub, base = qsa_stub, qsa_args()
     assert stub.runs(lambda: fn(**base)) == 1
     first = stub.launches[:]
@@ -280,7 +313,9 @@ def test_qsa_repeat_replays_and_each_change_misses(qsa_stub, fn):
         assert stub.runs(lambda: other(**base)) == 1
 
 
-def test_qsa_changes_the_checks_refuse_miss(qsa_stub, monkeypatch):
+@by_guard_and_key
+def test_qsa_changes_the_checks_refuse_miss(qsa_stub, monkeypatch, by):
+    replay_by(monkeypatch, by)
     stub, base = qsa_stub, qsa_args()
     qsa.qsa_sparse_paged_decode(**dict(base, output_scale=1))
     bad = {
@@ -340,7 +375,9 @@ def concat_stub(stub, monkeypatch):
     return stub
 
 
-def test_concat_repeat_replays_and_each_change_misses(concat_stub):
+@by_guard_and_key
+def test_concat_repeat_replays_and_each_change_misses(concat_stub, by, monkeypatch):
+    replay_by(monkeypatch, by)
     stub, base = concat_stub, concat_args()
     op = mkp.concat_mla_kv_quant_fp8
     assert stub.runs(lambda: op(**base)) == 1
@@ -358,3 +395,13 @@ def test_concat_repeat_replays_and_each_change_misses(concat_stub):
         op(**dict(base, value=fake_cuda(base["value"])))
     with pytest.raises(TypeError, match="key must be"):
         op(**dict(base, key=base["key"].view(torch.uint8)))
+
+
+def test_qsa_one_tensor_in_two_places_replays(qsa_stub):
+    """The guard refuses a tensor object passed twice (here out is output_gate): such calls
+    replay through the key."""
+    stub, base = qsa_stub, qsa_args()
+    same = dict(base, output_gate=base["out"])
+    assert stub.runs(lambda: qsa.qsa_sparse_paged_decode(**same)) == 1
+    assert stub.runs(lambda: qsa.qsa_sparse_paged_decode(**same)) == 0
+    assert stub.runs(lambda: qsa.qsa_sparse_paged_decode(**base)) == 0
