@@ -20,11 +20,27 @@ later loop forms, slot entries and PDL: qsa.py's launch choices and BENCHMARKS.m
 
 Bulk copies fetch a token's K and V rows (256 bytes) at once, so they need D = 128 and V
 right after K in memory with K's strides: the combined [blocks, Hkv, page, 2D] cache split
-as the seed's warm-up does. Other caches and head dims keep the cp.async gathers. So does a
-cluster grid that fits one CTA per SM (rows=4, measured above), probably because bulk
-clusters keep 2 stages (3 would cost the 4 CTAs per SM of larger grids) and a warp there
-has about 3 chunks, all of which 3 cp.async stages hold at once (tools/bench_qsa.py --lean
-times "bulk s3" against it).
+as the seed's warm-up does. Other caches and head dims keep the cp.async gathers.
+
+Round 4 (q copied with the first loads, see templates/qsa_util.cuh q_copy) re-swept the
+clusters (CUDA-graph µs per call, D=128, page 64; pairs = rows x Hkv; cp = cp.async):
+
+    rows/Hq/Hkv/topk   old rule           best                 runner-up
+    1/64/4/2048        k8 cp s3     9.4   k8 cp s2      8.9    k8 cp s3  9.2
+    4/64/4/2048        k8 cp s3    13.1   k4 cp s2     11.9    k4 cp s3 12.2, k8 cp s2 12.4
+    8/64/4/2048        k8 cp s3    19.3   k4 cp s2     14.5    k4 cp s3 15.2, k2 cp s2 17.4
+    16/64/4/2048       k4 cp s3    23.5   k2 cp s2     18.3    k2 cp s3 18.4, k4 bulk 23.4
+    32/64/4/2048       k2 bulk     30.0   k2 cp s2     26.8    k2 cp s3 27.4, k2 bulk 29.8
+    64/64/4/2048       k2 bulk     44.3   k2 bulk      44.5    k2 cp s2 48.2
+    4/64/4/8192        k8 cp s3    22.8   k8 cp s2     22.2    k8 cp s3 23.1
+    16/64/4/8192       k8 cp s3    54.1   k8 cp s2     50.5    k8 cp s3 51.2
+    64/64/4/8192       k4 bulk    144.3   k2 bulk     135.3    k4 bulk 144.6
+    4/32/8/4096        k8 cp s3    20.8   k4 cp s2     20.2    k8 cp s2 21.3
+    16/32/8/4096       k4 bulk     46.9   k4 cp s2     45.9    k4 cp s3 46.3
+
+so fewer splits than before (split_count's table), two cp.async stages for clusters, and
+bulk copies only for 2-CTA clusters over more than two waves of one CTA per SM (with 4-8
+CTA clusters the cp.async gathers won even at 512 CTAs).
 """
 
 from __future__ import annotations
@@ -40,30 +56,40 @@ _RED_PAD = 4  # kRedPad in templates/qsa_util.cuh
 _BULK_STAGE_BYTES = 4224  # kBulkStageBytes in templates/qsa_bulk.cuh
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory of one CTA (sm_90, sm_100)
 
-# (num_warps, num_stages, min_ctas) of the cp.async decode per head dim. A warp stage holds
+# (num_warps, num_stages, min_ctas) of the cp.async single pass per head dim. A warp stage holds
 # one 16-token chunk of K and V (D * 32 bytes); min_ctas is the launch bound (4 CTAs of 4
 # warps moves Q to shared memory to fit 128 registers). D=128: 4 x 52 KB of shared memory,
 # 16 warps per SM. (Round 3: several kv heads per CTA were slower at every shape.)
 DECODE_CONFIG = {64: (4, 8, 1), 128: (4, 3, 4), 256: (4, 2, 1)}
 # The bulk-copy decode (D=128): the single pass keeps 4 CTAs of 3 stages (4 x 54 KB); a
-# cluster, whose partials need room too, 2 stages to keep 4 CTAs per SM.
+# cluster, whose partials need room too, 2 stages to keep 4 CTAs per SM. cp.async clusters
+# at D=128 take 2 stages too (round 4, table above); other head dims the single pass's.
 BULK_SINGLE_PASS = (4, 3, 4)
 BULK_CLUSTER = (4, 2, 4)
+CLUSTER_CONFIG = {128: (4, 2, 4)}
+# A cp.async cluster grid of half a wave or less (one CTA per SM) steps its warps two chunks
+# at a time (PAIR, templates/qsa_rows.cuh): its 6 stages hold 3 pairs, and 1 CTA per SM
+# lifts the 128-register launch bound. H200, graph µs (one chunk a step, (4, 2, 4) -> pairs
+# (4, 4, 1) / (4, 6, 1)): rows/Hq/Hkv/topk 1/64/4/2048 8.9 -> 8.6 / 8.7, 2/64/4/2048 9.7 ->
+# 9.2 / 9.1, 4/64/4/2048 12.0 -> 11.2 / 10.9, 4/32/4/2048 11.6 -> 10.6 / 10.8; at 128 CTAs
+# pairs lost (8/64/4/2048 14.8 -> 15.5, 4/64/4/8192 22.4 -> 23.0, 4/32/8/4096 19.7 -> 20.2).
+CLUSTER_PAIR_CONFIG = (4, 6, 1)
 # Split-K: the CLUSTER_SIZES splits of a (row, kv head) are one thread block cluster
 # merging through distributed shared memory; a split whose share fits CLUSTER_SLOT_CAP
 # entries resolves its own slots (no slot pass: one launch a call). Round 3 (H200, G=16
 # Hkv=4): cluster split-K beat the workspace split-K (now removed) everywhere, and with 2
 # splits it beat the single pass at rows * Hkv = 512 and 1024 too (topk 2048: 101 vs 113
-# and 174 vs 194 µs; topk 8192: 331 vs 384 and 583 vs 714). The split count fills about
-# _SPLIT_TARGET_CTAS CTAs per 2048 of topk (more work per split amortizes the merge:
-# 8192 wanted 4x the CTAs), at least 2, at most 8, each split keeping
-# _MIN_CHUNKS_PER_SPLIT chunks. DECODE_MIN_PROGRAMS: rows * Hkv from which one pass runs
-# (the measured crossover; see qsa.use_fp8_decode_kernel).
+# and 174 vs 194 µs; topk 8192: 331 vs 384 and 583 vs 714). _SPLIT_TABLE (round 4, the
+# sweep above): per TOPK bucket, the most (row, kv head) pairs that still take 8 splits,
+# then 4; more pairs take 2. Longer selections want more splits for as many pairs (more
+# work per split amortizes the merge). Each split keeps _MIN_CHUNKS_PER_SPLIT chunks.
+# DECODE_MIN_PROGRAMS: rows * Hkv from which one pass runs (the measured crossover; see
+# qsa.use_fp8_decode_kernel).
 CLUSTER_SIZES = (2, 4, 8)
 TMMA_MAX_GROUP = 8  # tokens as MMA rows: the group fills the MMA's 8 columns
 CLUSTER_SLOT_CAP = 1024
 DECODE_MIN_PROGRAMS = 2048
-_SPLIT_TARGET_CTAS = 256
+_SPLIT_TABLE = ((2048, 8, 32), (4096, 16, 128), (None, 64, 128))  # (TOPK up to, 8 to, 4 to)
 _MIN_CHUNKS_PER_SPLIT = 8
 
 slots_family = kernel_family(
@@ -101,7 +127,7 @@ cluster_family = kernel_family(
     "qsa_decode_cluster",
     "qsa_decode.cuh",
     "fij_qsa::qsa_decode_cluster",
-    (*_DECODE_PARAMS, "cluster", "slot_cap", "bulk"),
+    (*_DECODE_PARAMS, "cluster", "slot_cap", "bulk", "pair"),
     _DECODE_SIGNATURE,
 )
 
@@ -125,12 +151,11 @@ def decode_smem_bytes(
 
 def split_count(rows: int, num_kv_heads: int, topk: int) -> int:
     """The dispatcher's splits per (row, kv head): 1 (single pass) or a cluster size."""
-    base = max(1, rows * num_kv_heads)
-    if base >= DECODE_MIN_PROGRAMS:
+    pairs = max(1, rows * num_kv_heads)
+    if pairs >= DECODE_MIN_PROGRAMS:
         return 1
-    target = _SPLIT_TARGET_CTAS * min(4, max(1, topk // 2048))
-    want = -(-target // base)
-    k = next((c for c in CLUSTER_SIZES if c >= want), CLUSTER_SIZES[-1])
+    _, eight, four = next(row for row in _SPLIT_TABLE if row[0] is None or topk <= row[0])
+    k = 8 if pairs <= eight else 4 if pairs <= four else 2
     while k > 1 and -(-topk // CHUNK) < k * _MIN_CHUNKS_PER_SPLIT:
         k //= 2
     return k
@@ -145,21 +170,32 @@ def fused_fits(topk: int, num_splits: int) -> bool:
 
 def takes_bulk(bulk_ok: bool, cluster: int, grid_ctas: int, sms: int) -> bool:
     """The shipped gather: bulk copies wherever they apply (``bulk_ok``: D=128, V right
-    after K), except a cluster grid that fits one CTA per SM."""
-    return bulk_ok and not (cluster and grid_ctas <= sms)
+    after K) for the single pass; of the clusters, only 2-CTA ones over more than two waves
+    of one CTA per SM (the round 4 sweep above)."""
+    return bulk_ok and (not cluster or (cluster == 2 and grid_ctas > 2 * sms))
 
 
 def default_config(head_dim: int, cluster: int, bulk: bool) -> Config:
     if bulk:
         return BULK_CLUSTER if cluster else BULK_SINGLE_PASS
+    if cluster:
+        return CLUSTER_CONFIG.get(head_dim, DECODE_CONFIG[head_dim])
     return DECODE_CONFIG[head_dim]
 
 
-def checked_config(config: tuple, head_dim: int, bulk: bool) -> Config:
+def takes_pairs(head_dim: int, cluster: int, bulk: bool, grid_ctas: int, sms: int) -> bool:
+    """The shipped step: two chunks at a time for cp.async clusters (D=128) of at most half
+    a wave."""
+    return bool(cluster) and not bulk and head_dim == 128 and 2 * grid_ctas <= sms
+
+
+def checked_config(config: tuple, head_dim: int, bulk: bool, pair: bool = False) -> Config:
     """An opt-in (warps, stages, min CTAs): in the template's ranges and within 227 KB."""
     warps, stages, min_ctas = (int(c) for c in config)
     if warps not in (4, 8) or not 2 <= stages <= 8 or not 1 <= min_ctas <= 8:
         raise ValueError(f"config (warps, stages, min_ctas) out of range: {config}")
+    if pair and (stages < 4 or stages % 2):
+        raise ValueError(f"two chunks a step need an even number of stages >= 4: {config}")
     worst = decode_smem_bytes(head_dim, (warps, stages, min_ctas), 8, CLUSTER_SLOT_CAP, bulk)
     if worst > SMEM_LIMIT:
         raise ValueError(f"config {config} needs more than 227 KB of shared memory")
@@ -174,8 +210,10 @@ def gather_choice(
     bulk_ok: bool,
     bulk: bool | None = None,
     config: tuple | None = None,
-) -> tuple[bool, Config]:
-    """(bulk, config) of a decode launch: the shipped rule, or opt-in overrides, checked."""
+    pair: bool | None = None,
+) -> tuple[bool, Config, bool]:
+    """(bulk, config, pair) of a decode launch: the shipped rule, or opt-in overrides,
+    checked."""
     if bulk is None:
         bulk = takes_bulk(bulk_ok, cluster, grid_ctas, sms)
     elif bulk and not bulk_ok:
@@ -183,9 +221,14 @@ def gather_choice(
             "bulk copies need head_dim 128, v_cache right after k_cache with its strides "
             "(the combined cache) and sm_90+"
         )
+    if pair is None:  # a config given without pair: the one-chunk step
+        pair = config is None and takes_pairs(head_dim, cluster, bulk, grid_ctas, sms)
+    elif pair and (not cluster or bulk):
+        raise ValueError("two chunks a step: cp.async clusters only")
     if config is None:
-        return bool(bulk), default_config(head_dim, cluster, bulk)
-    return bool(bulk), checked_config(config, head_dim, bulk)
+        config = CLUSTER_PAIR_CONFIG if pair else default_config(head_dim, cluster, bulk)
+        return bool(bulk), config, bool(pair)
+    return bool(bulk), checked_config(config, head_dim, bulk, pair), bool(pair)
 
 
 def slot_plan(page_size: int, order: bool, entries: int) -> Plan:
@@ -201,16 +244,18 @@ def decode_plan(
     config: Config,
     tmma: bool = False,
     lean: bool = False,
+    pair: bool = False,
 ) -> Plan:
     """The decode kernel of a single pass (``cluster`` 0) or of a cluster split-K. The single
     pass's loop forms: ``tmma``, tokens as the MMAs' rows (groups of at most 8
-    heads; ignored above); ``lean``, loop invariants kept in registers."""
+    heads; ignored above); ``lean``, loop invariants kept in registers. A cluster's
+    ``pair``: two chunks a step."""
     if not cluster:
         tmma = tmma and group <= TMMA_MAX_GROUP
         if tmma or lean:
             return decode_form_family, (group, head_dim, *config, bulk, tmma, lean)
         return decode_family, (group, head_dim, *config, bulk)
-    return cluster_family, (group, head_dim, *config, cluster, CLUSTER_SLOT_CAP * fused, bulk)
+    return cluster_family, (group, head_dim, *config, cluster, CLUSTER_SLOT_CAP * fused, bulk, pair)
 
 
 def dispatch_plans(
@@ -237,10 +282,11 @@ def dispatch_plans(
         if splits == 1:
             continue
         fused = fused_fits(topk, splits)
-        bulk, config = gather_choice(head_dim, splits, rows * num_kv_heads * splits, sms, bulk_ok)
+        grid = rows * num_kv_heads * splits
+        bulk, config, pair = gather_choice(head_dim, splits, grid, sms, bulk_ok)
         if not fused:
             plans.append(slot_plan(page_size, False, entries))
-        plans.append(decode_plan(group, head_dim, splits, fused, bulk, config))
+        plans.append(decode_plan(group, head_dim, splits, fused, bulk, config, pair=pair))
     return list(dict.fromkeys(plans))
 
 
@@ -258,4 +304,7 @@ def all_specs(
             config = default_config(head_dim, cluster, bulk)
             for fused in (True, False):
                 plans.append(decode_plan(group, head_dim, cluster, fused, bulk, config))
+                if takes_pairs(head_dim, cluster, bulk, 1, 2):  # small grids
+                    pairs = (cluster, fused, False, CLUSTER_PAIR_CONFIG)
+                    plans.append(decode_plan(group, head_dim, *pairs, pair=True))
     return [family.spec(params) for family, params in plans]

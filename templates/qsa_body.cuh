@@ -2,6 +2,7 @@
 // the design is described there.
 #pragma once
 #include "qsa_bulk.cuh"
+#include "qsa_rows.cuh"
 #include "qsa_slots.cuh"
 #include "qsa_tmma.cuh"
 #include "qsa_util.cuh"
@@ -45,8 +46,10 @@ namespace fij_qsa {
 // LEAN: the loop's per-thread invariants (stage offsets, slot pointer) are computed once
 // and kept in registers (pinned: ptxas otherwise recomputes them from threadIdx in every
 // iteration) and the stages advance by counters instead of k % NUM_STAGES.
+// PAIR (cp.async, heads as rows): a warp steps two chunks at a time (qsa_rows.cuh), its
+// NUM_STAGES stages holding NUM_STAGES / 2 pairs in flight.
 template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP, bool BULK,
-          bool TMMA, bool LEAN>
+          bool TMMA, bool LEAN, bool PAIR = false>
 __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head dim");
   static_assert(GROUP >= 1 && GROUP <= 16, "group size");
@@ -54,6 +57,7 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   static_assert(!BULK || HEAD_DIM == 128, "bulk stages are laid out for D = 128");
   static_assert(SLOT_CAP == 0 || CLUSTER > 0, "in-kernel slots: clusters only");
   static_assert(!TMMA || GROUP <= 8, "tokens as MMA rows: the heads fill 8 columns");
+  static_assert(!PAIR || (!BULK && !TMMA && !LEAN && NUM_STAGES % 2 == 0 && NUM_STAGES >= 4), "pairs");
   constexpr bool SINGLE = CLUSTER == 0;
   constexpr int NS = SINGLE ? 1 : CLUSTER;  // splits of a (row, kv head)
   constexpr int NG = HEAD_DIM / 64;       // 64-dim groups of a K row: one 16-B piece per quad lane
@@ -85,7 +89,8 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   const int g = lane >> 2, t = lane & 3;
   uint4* const qsm = smem;  // Q fragments (Q_SMEM)
   uint4* const wbase = smem + Q_AREA + warp * NUM_STAGES * STAGE_U4 * 32;
-  const unsigned wstage = smem_u32(smem_bytes + Smem::kQBytes + warp * NUM_STAGES * SB);
+  const int warp_stage0 = Smem::kQBytes + warp * NUM_STAGES * SB;  // byte offset of this warp's stage 0
+  const unsigned wstage = smem_u32(smem_bytes + warp_stage0);
   const unsigned bars = smem_u32(smem_bytes + Smem::kQBytes + Smem::kMainBytes) + warp * NUM_STAGES * 8;
   if constexpr (BULK) {
     // Bulk copies skip masked tokens, whose rows keep stale bytes: zero the stages once so
@@ -124,6 +129,10 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
     }
   }
 
+  // q goes out now, with the count (and a cluster's slot lookups), into this warp's last
+  // stage: free until the loop's first copies (see q_copy).
+  const unsigned q_stage = wstage + (NUM_STAGES - 1) * SB;
+  q_copy<GROUP, HEAD_DIM>(q_stage, q + (long long)row * q_row + head0 * q_head, q_head, lane);
   const int count = min(max(__ldg(counts + (long long)row * count_row_stride), 0), topk);
   const int chunks = (count + kChunk - 1) / kChunk;
   // This split's chunks: local index m is chunk split + NS m (the single pass: chunk m).
@@ -140,7 +149,7 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
     __syncthreads();
   }
 
-  // ---- per-warp pipeline (its first copies go out before Q is loaded: they overlap) ----
+  // ---- per-warp pipeline (q is already on its way: see q_copy) ------------------------
   const int my_n = n_local > warp ? (n_local - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
   const int* const srow = slots + (long long)row * slot_columns;
   auto keep = [](int x) { return LEAN ? pinned(x) : x; };
@@ -241,29 +250,46 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   const float neg_inf = __int_as_float(0xff800000);
   float m0 = neg_inf, m1 = neg_inf, l0 = 0.f, l1 = 0.f;
 
-  // Prologue: slot loads of the first NUM_STAGES - 1 chunks in parallel, then their copies.
+  // Prologue: slot loads of the first PS - 1 steps' chunks in parallel, then their copies
+  // (a step: one chunk, PAIR two; chunk c goes to stage c).
+  constexpr int CPS = PAIR ? 2 : 1;                // chunks per step
+  constexpr int PS = NUM_STAGES / CPS;             // steps the stages hold
   unsigned ring = 0;
   {
-    int pre[NUM_STAGES - 1];
+    int pre[CPS * (PS - 1)];
 #pragma unroll
-    for (int k = 0; k < NUM_STAGES - 1; ++k)
-      if (pre_ok(k)) pre[k] = load_slots(k);
+    for (int c = 0; c < CPS * (PS - 1); ++c)
+      if (pre_ok(c)) pre[c] = load_slots(c);
 #pragma unroll
-    for (int k = 0; k < NUM_STAGES - 1; ++k) {
-      if (pre_ok(k)) ring |= issue(k, pre[k]) << (4 * k);
+    for (int k = 0; k < PS - 1; ++k) {
+#pragma unroll
+      for (int c = CPS * k; c < CPS * (k + 1); ++c)
+        if (pre_ok(c)) ring |= issue(c, pre[c]) << (4 * c);
       if constexpr (!BULK) cp_async_commit();
     }
   }
-  // The slots of chunk k + NUM_STAGES - 1 at the top of iteration k (loaded one iteration
-  // before its copies are issued).
-  int next = pre_ok(NUM_STAGES - 1) ? load_slots(NUM_STAGES - 1) : -1;
+  // The slots of the chunk(s) issued at the top of the next step (loaded one step before
+  // their copies are issued).
+  int next = pre_ok(CPS * (PS - 1)) ? load_slots(CPS * (PS - 1)) : -1;
+  int next2 = PAIR && pre_ok(CPS * (PS - 1) + 1) ? load_slots(CPS * (PS - 1) + 1) : -1;
 
   // ---- Q fragments (rows g, g+8 of the group; padding rows are zero) -------------------
   // QK runs in fp16 so K needs one cvt per two e4m3 bytes (see q_fragments for exactness).
   uint4 qreg[NG][4];
   float row_scale0, row_scale1;  // score_scale_log2 / (q scale) of rows g and g + 8
-  q_fragments<GROUP, NG>(q + (long long)row * q_row + head0 * q_head, q_head, g, t, score_scale_log2, qreg,
-                         row_scale0, row_scale1);
+  // q's group is the oldest: waiting it out leaves the prologue's PS - 1 in flight.
+  cp_async_wait<BULK ? 0 : PS - 1>();
+  __syncwarp();
+  q_fragments<GROUP, HEAD_DIM>(smem_bytes + warp_stage0 + (NUM_STAGES - 1) * SB, g, t, score_scale_log2, qreg,
+                               row_scale0, row_scale1);
+  if constexpr (BULK) {
+    // The stage is a bulk stage again: its masked rows must read as zeros (see the top).
+    __syncwarp();
+    uint4* const last = reinterpret_cast<uint4*>(smem_bytes + warp_stage0 + (NUM_STAGES - 1) * SB);
+    for (int i = lane; i < SB / 16; i += 32) last[i] = uint4{};
+    fence_async_smem();
+    __syncwarp();
+  }
   // TMMA: the B fragments of head g (rows g + 8 are padding) and the scales of the score
   // columns, heads 2t and 2t + 1.
   uint2 qcol[NG][4];
@@ -320,11 +346,41 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
     e4m3x4_to_f16x2x2(y1, b[2][1], b[3][1]);
   };
 
-  const int warp_stages = keep(Smem::kQBytes + warp * NUM_STAGES * SB);  // byte offset of stage 0
+  // Q's A fragment of k-step (G, u), heads as rows.
+  auto q_of = [&](int G, int u) -> uint4 {
+    if constexpr (Q_SMEM) return qsm[(G * 4 + u) * 32 + lane];
+    else return qreg[G][u];
+  };
+  if constexpr (PAIR) {
+    // Step k / 2 takes chunks k and k + 1 (the last may be single) from stages 2s, 2s + 1.
+    for (int k = 0; k < my_n; k += 2) {
+      const int s_read = (k / 2) % PS, s_issue = (k / 2 + PS - 1) % PS;
+      const int c = k + 2 * (PS - 1);  // the first chunk issued now
+      if (c < my_n) ring |= issue(2 * s_issue, next) << (4 * (2 * PS - 2));
+      if (c + 1 < my_n) ring |= issue(2 * s_issue + 1, next2) << (4 * (2 * PS - 1));
+      cp_async_commit();
+      if (c + 2 < my_n) next = load_slots(c + 2);
+      if (c + 3 < my_n) next2 = load_slots(c + 3);
+      cp_async_wait<PS - 1>();
+      const unsigned bits[2] = {ring & 0xfu, (ring >> 4) & 0xfu};
+      ring >>= 8;
+      const uint4* const st0 = wbase + 2 * s_read * STAGE_U4 * 32;
+      const uint4* const st1 = st0 + STAGE_U4 * 32;
+      auto k_of = [&](int h, int j, int G) { return k_piece(h ? st1 : st0, nullptr, j, G); };
+      auto v_of = [&](int h, int w, unsigned (&b)[4][2]) { v_frags(h ? st1 : st0, nullptr, w, b); };
+      if (k + 1 < my_n) {
+        rows_chunks<2, NG, VW>(acc, m0, m1, l0, l1, row_scale0, row_scale1, bits, q_of, k_of, v_of);
+      } else {
+        const unsigned one[1] = {bits[0]};
+        rows_chunks<1, NG, VW>(acc, m0, m1, l0, l1, row_scale0, row_scale1, one, q_of, k_of, v_of);
+      }
+    }
+  }
+  const int warp_stages = keep(warp_stage0);
   // LEAN: chunk k's stage and its mbarrier phase parity, advanced by the loop.
   int stage = 0;
   unsigned parity = 0;
-  for (int k = 0; k < my_n; ++k) {
+  for (int k = 0; k < (PAIR ? 0 : my_n); ++k) {
     const int s_read = LEAN ? stage : k % NUM_STAGES;
     const int s_issue = LEAN ? (stage == 0 ? NUM_STAGES - 1 : stage - 1) : (k + NUM_STAGES - 1) % NUM_STAGES;
     if (k + NUM_STAGES - 1 < my_n) ring |= issue(s_issue, next) << (4 * (NUM_STAGES - 1));
@@ -346,76 +402,10 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
       auto v_of = [&](int w, unsigned (&b)[4][2]) { v_frags(st, bst, w, b); };
       tmma_chunk<NG, VW>(acc, m0, m1, l0, l1, qcol, row_scale0, row_scale1, bits, k_of, v_of);
     } else {
-      // S = Q K^T over this chunk's 16 tokens (two n8 tiles).
-      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int G = 0; G < NG; ++G) {
-          const uint4 kk = k_piece(st, bst, j, G);
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            unsigned lo, hi;
-            e4m3x4_to_f16x2x2(word_of(kk, u), lo, hi);
-            uint4 a;
-            if constexpr (Q_SMEM) a = qsm[(G * 4 + u) * 32 + lane];
-            else a = qreg[G][u];
-            mma_f16(s[j], a, lo, hi);
-          }
-        }
-      }
-      // Online softmax in base 2; masked tokens are -inf and never produce NaN.
-      float x[2][4];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const bool ok0 = (bits >> (2 * j)) & 1u, ok1 = (bits >> (2 * j + 1)) & 1u;
-        x[j][0] = ok0 ? s[j][0] * row_scale0 : neg_inf;
-        x[j][1] = ok1 ? s[j][1] * row_scale0 : neg_inf;
-        x[j][2] = ok0 ? s[j][2] * row_scale1 : neg_inf;
-        x[j][3] = ok1 ? s[j][3] * row_scale1 : neg_inf;
-      }
-      float mx0 = fmaxf(fmaxf(x[0][0], x[0][1]), fmaxf(x[1][0], x[1][1]));
-      float mx1 = fmaxf(fmaxf(x[0][2], x[0][3]), fmaxf(x[1][2], x[1][3]));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(kFull, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(kFull, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(kFull, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(kFull, mx1, 2));
-      const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-      const float b0 = n0 == neg_inf ? 0.f : n0, b1 = n1 == neg_inf ? 0.f : n1;
-      const float alpha0 = ex2(m0 - b0), alpha1 = ex2(m1 - b1);
-      m0 = n0;
-      m1 = n1;
-      float p[2][4];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        p[j][0] = ex2(x[j][0] - b0);
-        p[j][1] = ex2(x[j][1] - b0);
-        p[j][2] = ex2(x[j][2] - b1);
-        p[j][3] = ex2(x[j][3] - b1);
-      }
-      l0 = l0 * alpha0 + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
-      l1 = l1 * alpha1 + (p[0][2] + p[0][3]) + (p[1][2] + p[1][3]);
-      // Once the running max settles alpha is exactly 1: skip the rescale warp-wide.
-      if (__any_sync(kFull, alpha0 != 1.f || alpha1 != 1.f)) {
-#pragma unroll
-        for (int i = 0; i < NT; ++i) {
-          acc[i][0] *= alpha0;
-          acc[i][1] *= alpha0;
-          acc[i][2] *= alpha1;
-          acc[i][3] *= alpha1;
-        }
-      }
-      const uint4 pa = make_uint4(pack_f16x2(p[0][0], p[0][1]), pack_f16x2(p[0][2], p[0][3]),
-                                  pack_f16x2(p[1][0], p[1][1]), pack_f16x2(p[1][2], p[1][3]));
-
-      // O += P V: transpose 4 tokens x 4 dims of e4m3 per word into f16x2 B fragments.
-#pragma unroll
-      for (int w = 0; w < VW; ++w) {
-        unsigned b[4][2];
-        v_frags(st, bst, w, b);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) mma_f16(acc[4 * w + i], pa, b[i][0], b[i][1]);
-      }
+      const unsigned one[1] = {bits};
+      auto k_of = [&](int, int j, int G) { return k_piece(st, bst, j, G); };
+      auto v_of = [&](int, int w, unsigned (&b)[4][2]) { v_frags(st, bst, w, b); };
+      rows_chunks<1, NG, VW>(acc, m0, m1, l0, l1, row_scale0, row_scale1, one, q_of, k_of, v_of);
     }
   }
 

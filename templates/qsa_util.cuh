@@ -158,30 +158,56 @@ __device__ __forceinline__ void store_gated_value(fij::bf16_t* out, const uint4&
   *reinterpret_cast<uint4*>(out) = denom > 0.f ? gate_scaled(gv, a, output_scale / denom) : make_uint4(0, 0, 0, 0);
 }
 
-// The A fragments of a group's q (rows g and g + 8; rows past GROUP are zero) for k-step
-// (G, u), in the K fragments' dim permutation, as fp16: each row is scaled by the power of
-// two that puts its largest |q| in [2^14, 2^15), so bf16 -> fp16 is exact for every
-// component above 2^-28 of that maximum (below it, fp16 subnormals keep 2^-38 of it, far
-// under fp32 accumulation error) and products with |k| <= 448 cannot overflow. The scale
-// is undone in row_scale0/1 (score_scale_log2 / the row's scale).
-template <int GROUP, int NG>
-__device__ __forceinline__ void q_fragments(const fij::bf16_t* q, long long q_head, int g, int t,
-                                            float score_scale_log2, uint4 (&frag)[NG][4], float& row_scale0,
+// A group's q as loaded (rows g and g + 8, 16-byte pieces 2t, 2t + 1 of each 64-dim group;
+// rows past GROUP are zero). Loaded apart from q_fragments so the loads go out with the
+// kernel's first global loads instead of behind its K/V gathers (one DRAM trip fewer on the
+// critical path of a short call).
+template <int NG>
+struct QRaw {
+  uint4 r0[NG][2], r1[NG][2];
+};
+
+// A group's q (GROUP rows of HEAD_DIM bf16) copied into a warp's shared-memory area at
+// `dst` (row h at 2 HEAD_DIM h bytes) as one cp.async group. Issued with the kernel's first
+// global loads, so the copy overlaps them instead of queueing behind the K/V gathers (one
+// DRAM trip off the critical path of a short call), and it holds no registers meanwhile.
+// (GROUP <= 16 rows of 2 HEAD_DIM bytes fit a warp stage, at least 32 HEAD_DIM bytes.)
+template <int GROUP, int HEAD_DIM>
+__device__ __forceinline__ void q_copy(unsigned dst, const fij::bf16_t* q, long long q_head, int lane) {
+  constexpr int PIECES = HEAD_DIM / 8;  // 16-byte pieces of a row
+#pragma unroll
+  for (int i = lane; i < GROUP * PIECES; i += 32) {
+    const int h = i / PIECES, c = i % PIECES;
+    cp_async16(dst + 16 * i, q + h * q_head + 8 * c, true);
+  }
+  cp_async_commit();
+}
+
+// The A fragments of the group's q (copied to `qs` by q_copy; rows g and g + 8, rows past
+// GROUP are zero) for k-step (G, u), in the K fragments' dim permutation, as fp16: each row
+// is scaled by the power of two that puts its largest |q| in [2^14, 2^15), so bf16 -> fp16
+// is exact for every component above 2^-28 of that maximum (below it, fp16 subnormals keep
+// 2^-38 of it, far under fp32 accumulation error) and products with |k| <= 448 cannot
+// overflow. The scale is undone in row_scale0/1 (score_scale_log2 / the row's scale).
+template <int GROUP, int HEAD_DIM>
+__device__ __forceinline__ void q_fragments(const unsigned char* qs, int g, int t, float score_scale_log2,
+                                            uint4 (&frag)[HEAD_DIM / 64][4], float& row_scale0,
                                             float& row_scale1) {
+  constexpr int NG = HEAD_DIM / 64;
   uint4 r0[NG][2], r1[NG][2];
   float amax0 = 0.f, amax1 = 0.f;
 #pragma unroll
   for (int G = 0; G < NG; ++G) {
     r0[G][0] = r0[G][1] = r1[G][0] = r1[G][1] = make_uint4(0, 0, 0, 0);
     if (g < GROUP) {
-      const uint4* p = reinterpret_cast<const uint4*>(q + g * q_head + 64 * G + 16 * t);
-      r0[G][0] = __ldg(p);
-      r0[G][1] = __ldg(p + 1);
+      const uint4* p = reinterpret_cast<const uint4*>(qs + 2 * (g * HEAD_DIM + 64 * G + 16 * t));
+      r0[G][0] = p[0];
+      r0[G][1] = p[1];
     }
     if (g + 8 < GROUP) {
-      const uint4* p = reinterpret_cast<const uint4*>(q + (g + 8) * q_head + 64 * G + 16 * t);
-      r1[G][0] = __ldg(p);
-      r1[G][1] = __ldg(p + 1);
+      const uint4* p = reinterpret_cast<const uint4*>(qs + 2 * ((g + 8) * HEAD_DIM + 64 * G + 16 * t));
+      r1[G][0] = p[0];
+      r1[G][1] = p[1];
     }
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
@@ -221,21 +247,27 @@ __device__ __forceinline__ void cluster_merge(const float* cpart, const float* c
   const float neg_inf = __int_as_float(0xff800000);
   for (int item = cluster_rank() * THREADS + threadIdx.x; item < GROUP * PIECES; item += CLUSTER * THREADS) {
     const int h = item / PIECES, c = item - h * PIECES;
-    float ms[CLUSTER];
-    float mmax = neg_inf;
+    // Every peer's (max, sum) and piece first: one round trip through the cluster, not two.
+    float ms[CLUSTER], ls[CLUSTER];
+    float4 us[CLUSTER], vs[CLUSTER];
 #pragma unroll
     for (int s = 0; s < CLUSTER; ++s) {
       ms[s] = ld_peer(peer_addr(cml + h * 2, s));
-      mmax = fmaxf(mmax, ms[s]);
+      ls[s] = ld_peer(peer_addr(cml + h * 2 + 1, s));
+      const unsigned src = peer_addr(cpart + h * HEAD_DIM + 8 * c, s);
+      us[s] = ld_peer4(src);
+      vs[s] = ld_peer4(src + 16);
     }
+    float mmax = neg_inf;
+#pragma unroll
+    for (int s = 0; s < CLUSTER; ++s) mmax = fmaxf(mmax, ms[s]);
     const float base = mmax == neg_inf ? 0.f : mmax;
     float denom = 0.f, a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int s = 0; s < CLUSTER; ++s) {
       const float w = ex2(ms[s] - base);
-      denom += ld_peer(peer_addr(cml + h * 2 + 1, s)) * w;
-      const unsigned src = peer_addr(cpart + h * HEAD_DIM + 8 * c, s);
-      const float4 u = ld_peer4(src), v = ld_peer4(src + 16);
+      const float4 u = us[s], v = vs[s];
+      denom += ls[s] * w;
       a[0] += u.x * w; a[1] += u.y * w; a[2] += u.z * w; a[3] += u.w * w;
       a[4] += v.x * w; a[5] += v.y * w; a[6] += v.z * w; a[7] += v.w * w;
     }

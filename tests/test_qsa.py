@@ -317,11 +317,12 @@ def test_gate_and_warmup_on_cpu():
 
 def test_split_count_and_specs():
     """The measured split rule (qsa_kernels.split_count) and what prebuild covers."""
-    assert qsa.split_count(4, 4, 2048) == 8  # rows * Hkv = 16
-    assert qsa.split_count(16, 4, 2048) == 4
-    assert [qsa.split_count(r, 4, 2048) for r in (32, 64, 128, 256)] == [2] * 4
+    assert [qsa.split_count(r, 4, 2048) for r in (1, 2)] == [8, 8]  # rows * Hkv <= 8
+    assert [qsa.split_count(r, 4, 2048) for r in (4, 8)] == [4, 4]  # <= 32
+    assert [qsa.split_count(r, 4, 2048) for r in (16, 32, 64, 128, 256)] == [2] * 5
     assert qsa.split_count(512, 4, 2048) == 1  # rows * Hkv = 2048: the single pass
-    assert qsa.split_count(32, 4, 8192) == 8 and qsa.split_count(64, 4, 8192) == 4
+    assert [qsa.split_count(r, 8, 4096) for r in (2, 4, 16, 32)] == [8, 4, 4, 2]
+    assert [qsa.split_count(r, 4, 8192) for r in (16, 32, 64)] == [8, 4, 2]
     assert qsa.split_count(4, 4, 100) == 1  # too few chunks to split
     assert qsa.split_count(4, 4, 256) == 2
     assert qsa.split_count(qk.DECODE_MIN_PROGRAMS, 1, 2048) == 1
@@ -330,7 +331,8 @@ def test_split_count_and_specs():
     specs = qk.all_specs(16, 128, 64, 1)
     assert {s.family for s in specs} == {"qsa_slots", "qsa_decode", "qsa_decode_cluster"}
     clusters = {s.label for s in specs if s.family == "qsa_decode_cluster"}
-    assert len(clusters) == 2 * 2 * len(qk.CLUSTER_SIZES)  # fused or not, bulk or not
+    # fused or not; bulk, cp.async or cp.async two chunks a step
+    assert len(clusters) == 2 * 3 * len(qk.CLUSTER_SIZES)
     assert len(qk.all_specs(16, 64, 64, 1)) == 2 + 1 + 2 * len(qk.CLUSTER_SIZES)  # no bulk
 
 
@@ -358,10 +360,11 @@ def _checked_specs() -> list:
     specs += qk.all_specs(5, 128, 48, 1)
     specs += [qk.slots_family.spec((64, order, e)) for order in (True, False) for e in (2, 4, 8)]
     specs += [
-        qk.cluster_family.spec((16, 128, 4, 3, 4, c, cap, True)) for c, cap in ((8, 1024), (2, 0))
+        qk.cluster_family.spec((16, 128, 4, 3, 4, c, cap, True, False))
+        for c, cap in ((8, 1024), (2, 0))
     ]
     specs += [
-        qk.cluster_family.spec((g, d, *qk.DECODE_CONFIG[d], c, cap, False))
+        qk.cluster_family.spec((g, d, *qk.DECODE_CONFIG[d], c, cap, False, False))
         for g, d, c, cap in CLUSTER_EXTRA
     ]
     return list(dict.fromkeys(specs))

@@ -346,10 +346,10 @@ def test_gpu_warmup_then_no_compile(jit_cache, strict):
     os.environ["FLASHINFER_JIT_DISABLE"] = "1"
     try:
         k_cache, v_cache = kv.transpose(1, 2).split(128, dim=-1)
-        # topk 512, Hkv 2: rows=2 takes a fused 4-CTA cluster of cp.async gathers (16 CTAs,
-        # one wave), rows=40 a fused 4-CTA cluster of bulk copies (320 CTAs)
-        assert qsa.split_count(2, 2, 512) == 4 and qsa.split_count(40, 2, 512) == 4
-        for rows in (2, 40):
+        # topk 512, Hkv 2: rows=2 takes a fused 4-CTA cluster of cp.async gathers (16 CTAs),
+        # rows=80 a fused 2-CTA cluster of bulk copies (320 CTAs: more than two waves)
+        assert qsa.split_count(2, 2, 512) == 4 and qsa.split_count(80, 2, 512) == 2
+        for rows in (2, 80):
             case = make_case(
                 rows=rows,
                 hq=16,

@@ -25,8 +25,8 @@ from .test_replay import FakeKernel, qsa_args, qsa_stub, stub  # noqa: F401 (fix
 SMS = 132  # H200
 
 
-def _launched(rows: int, hq: int, hkv: int, topk: int, combined: bool) -> tuple[int, bool, tuple]:
-    """(splits, bulk, config) of the dispatcher on an issue-shaped call (pure rules)."""
+def _launched(rows: int, hq: int, hkv: int, topk: int, combined: bool) -> tuple:
+    """(splits, bulk, config, pair) of the dispatcher on an issue-shaped call (pure rules)."""
     splits = (
         1 if qsa.use_fp8_decode_kernel(rows * hkv, torch.uint8) else qk.split_count(rows, hkv, topk)
     )
@@ -36,19 +36,21 @@ def _launched(rows: int, hq: int, hkv: int, topk: int, combined: bool) -> tuple[
 
 def test_issue_calls_take_the_measured_kernels():
     """The H200 sweep's winners (qsa_kernels docstring) on the issue's four calls."""
-    assert _launched(512, 64, 4, 2048, True) == (1, True, (4, 3, 4))
-    assert _launched(2048, 32, 4, 1024, True) == (1, True, (4, 3, 4))
-    assert _launched(64, 64, 4, 2048, True) == (2, True, (4, 2, 4))  # 512 CTAs
-    assert _launched(4, 64, 4, 2048, True) == (8, False, (4, 3, 4))  # 128 CTAs: one wave
-    for shape in ((512, 64, 4, 2048), (64, 64, 4, 2048)):  # V apart from K: cp.async
-        assert _launched(*shape, False)[1:] == (False, (4, 3, 4))
+    assert _launched(512, 64, 4, 2048, True) == (1, True, (4, 3, 4), False)
+    assert _launched(2048, 32, 4, 1024, True) == (1, True, (4, 3, 4), False)
+    assert _launched(64, 64, 4, 2048, True) == (2, True, (4, 2, 4), False)  # 512 CTAs
+    assert _launched(32, 64, 4, 2048, True) == (2, False, (4, 2, 4), False)  # 256 CTAs
+    assert _launched(4, 64, 4, 2048, True) == (4, False, qk.CLUSTER_PAIR_CONFIG, True)  # 64
+    assert _launched(512, 64, 4, 2048, False)[1:] == (False, (4, 3, 4), False)  # V apart
+    assert _launched(64, 64, 4, 2048, False)[1:] == (False, (4, 2, 4), False)
 
 
 @pytest.mark.parametrize("config, cluster, cap, bulk", [
     (qk.BULK_SINGLE_PASS, 0, 0, True),
     (qk.BULK_CLUSTER, 8, qk.CLUSTER_SLOT_CAP, True),
     (qk.BULK_CLUSTER, 2, 0, True),
-    (qk.DECODE_CONFIG[128], 8, qk.CLUSTER_SLOT_CAP, False),
+    (qk.CLUSTER_CONFIG[128], 8, qk.CLUSTER_SLOT_CAP, False),
+    (qk.CLUSTER_PAIR_CONFIG, 8, qk.CLUSTER_SLOT_CAP, False),
     (qk.DECODE_CONFIG[128], 0, 0, False),
 ])  # fmt: skip
 def test_shipped_configs_keep_their_ctas_per_sm(config, cluster, cap, bulk):
