@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from jit_kernels import CubinCache, target_archs
-from jit_kernels.prebuild import BuildTask, build_all
+from jit_kernels.prebuild import BuildTask, build_all, build_native
 
 from ._jit import BUILDER, TEMPLATE_ROOT, WORKLOAD_ROOT
 from ._version import __version__
@@ -99,6 +99,8 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
         for (op, arch), s in sorted(stats.items())
     ]
     print(_table(["op", "arch", "kernels", "compiled", "cached", "failed", "seconds"], rows))
+    status, detail = build_native(output)  # optional: a failure is reported, not fatal
+    print(f"native launcher: {status} ({detail})", file=sys.stderr if status == "failed" else None)
     return 1 if failures else 0
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+from . import native
 from .build import KernelBuilder
 from .cache import CubinCache, default_cache_root, prebuilt_roots
 from .spec import KernelSpec
@@ -68,3 +70,20 @@ def build_all(
         futures = [pool.submit(_run, t, template_root, version, output) for t in tasks]
         for future in as_completed(futures):
             yield future.result()
+
+
+def build_native(output: Path | None) -> tuple[str, str]:
+    """(status, detail) of building the compiled launcher (jit_kernels.native) into
+    ``output`` (a bundle) or the cache, and importing it: "built", "cached", "skipped" (no C
+    compiler, or FLASHINFER_JIT_NATIVE_LAUNCH=0) or "failed". Kernels launch through
+    cuda-python without it, so a failure is reported, not fatal."""
+    if os.environ.get(native.NATIVE_ENV) == "0":
+        return "skipped", f"{native.NATIVE_ENV}=0"
+    try:
+        path, built = native.build(output or default_cache_root())
+        native.load(path)
+    except native.NativeBuildError as exc:
+        return ("skipped" if exc.no_compiler else "failed"), str(exc)
+    except Exception as exc:  # an unwritable or insecure folder, a failed import
+        return "failed", repr(exc)
+    return ("built" if built else "cached"), str(path)

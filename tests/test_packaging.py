@@ -47,3 +47,7 @@ def test_wheel_installs_and_builds_outside_the_tree(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert list((tmp_path / "bundle").rglob("*.cubin"))
+    # prebuild also builds the native launcher (its C source ships in the wheel), where
+    # this machine has a C compiler; "native launcher: skipped" where it has none.
+    assert "native launcher: built" in run.stdout or "skipped" in run.stdout, run.stdout
+    assert (site / "jit_kernels" / "_launcher.c").is_file()

@@ -11,8 +11,9 @@ so the kernels take a few microseconds and the host path dominates.
 
 --stub (no GPU needed): CPU tensors, every kernel replaced by a stub that packs its
 arguments but does not call cuLaunchKernel, and the ops' CUDA-device tests bypassed: the
-figures are the Python overhead of each op's repeat-call path alone. --profile ROW runs
-cProfile over that row's calls and prints the top 25 functions by tottime.
+figures are the Python overhead of each op's repeat-call path alone (through the native
+launcher's branch unless FLASHINFER_JIT_NATIVE_LAUNCH=0 or it cannot be built).
+--profile ROW runs cProfile over that row's calls and prints the top 25 functions by tottime.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashinfer_jit.mla_kv_pack as mkp  # noqa: E402
 import flashinfer_jit.qsa as qsa  # noqa: E402
 from flashinfer_jit import fp8_paged_mqa_logits, padded_seq_len  # noqa: E402
-from jit_kernels import KernelFamily, LoadedKernel  # noqa: E402
+from jit_kernels import KernelFamily, LoadedKernel, native  # noqa: E402
 
 D = 128  # head_dim of the MQA and QSA rows
 
@@ -92,9 +93,15 @@ class StubKernel(LoadedKernel):
 
     def __init__(self, family: KernelFamily, params: tuple):
         self.name, self.device, self.packer = f"stub {family.family}{params}", 0, family.packer
-        self.function, self._library, self._smem_limit = None, None, 1 << 30
-        self._launch = self._launch_ex = lambda *args: (0,)  # the driver's (CUresult,)
-        self._pdl_configs = {}  # launch_programmatic's configs (built with cuda-python)
+        self._library = None
+        # The launch path a GPU machine takes: the native launcher where it can be had
+        # (FLASHINFER_JIT_NATIVE_LAUNCH), else cuda-python; stubs return success.
+        launcher = native.launcher()
+        self._bind(None, None)
+        self._smem_limit = 1 << 30
+        self._launch = self._launch_ex = lambda *args: (0,)  # cuda-python's (CUresult,)
+        if launcher is not None:
+            self._native = self._native_pdl = lambda *args: 0  # the launcher's CUresult
 
     def blocks_per_sm(self, threads: int, smem: int = 0) -> int:
         return 1

@@ -1,0 +1,159 @@
+"""The compiled kernel launcher (``_launcher.c``): built on first use, cached, optional.
+
+``launcher()`` is the extension module, or None: ``FLASHINFER_JIT_NATIVE_LAUNCH=0``, no C
+compiler, a failed build or import (logged once). ``LoadedKernel`` reads it when a kernel
+is loaded and then launches through it, else through cuda-python; nothing here runs per
+launch.
+
+The module is compiled with the system C compiler (``$CC``, else Python's configured one
+where it exists, else ``cc``) against Python's headers, into
+``<cache root>/native/_launcher-<key><EXT_SUFFIX>``: the key hashes the source and the
+flags, EXT_SUFFIX names the Python ABI. Prebuilt bundles (FLASHINFER_JIT_CUBIN_PATH,
+``flashinfer-jit prebuild --output``) are searched first, then the cache, as for cubins;
+one ``filelock`` per file lets concurrent processes build it once, and directories other
+users can write to are refused (a shared object is code).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import filelock
+
+from .cache import LOCK_TIMEOUT_S, _check_owner_and_mode, default_cache_root, prebuilt_roots
+from .spec import sha256_hex
+
+log = logging.getLogger("flashinfer_jit.jit")
+
+NATIVE_ENV = "FLASHINFER_JIT_NATIVE_LAUNCH"
+SOURCE = Path(__file__).with_name("_launcher.c")
+FLAGS = ("-O2", "-shared", "-fPIC")
+LIBS = ("-ldl",)  # dlopen: in libc since glibc 2.34, in libdl before
+BUILD_TIMEOUT_S = 120.0
+FOLDER = "native"
+
+
+class NativeBuildError(RuntimeError):
+    """The launcher could not be compiled (``no_compiler``: none was found)."""
+
+    def __init__(self, message: str, no_compiler: bool = False):
+        super().__init__(message)
+        self.no_compiler = no_compiler
+
+
+def compiler() -> list[str]:
+    """The C compiler command: $CC, else Python's configured CC if it exists, else cc."""
+    chosen = os.environ.get("CC")
+    if chosen:
+        return shlex.split(chosen)
+    configured = shlex.split(sysconfig.get_config_var("CC") or "")
+    return configured if configured and shutil.which(configured[0]) else ["cc"]
+
+
+def file_name() -> str:
+    key = sha256_hex(SOURCE.read_bytes(), *FLAGS, *LIBS)[:16]
+    return f"_launcher-{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
+
+
+def _trusted(root: Path, path: Path) -> bool:
+    """Whether ``path`` (``root``/native/name) exists; InsecureCacheError where it, or a
+    folder above it, can be written by other users."""
+    if not path.exists():
+        return False
+    for checked in (root, root / FOLDER, path):
+        _check_owner_and_mode(checked)
+    return True
+
+
+def find() -> Path | None:
+    """The built launcher in a prebuilt bundle or the cache, if any."""
+    name = file_name()
+    for root in (*prebuilt_roots(), default_cache_root()):
+        if _trusted(root, root / FOLDER / name):
+            return root / FOLDER / name
+    return None
+
+
+def _compile(target: Path) -> None:
+    include = sysconfig.get_paths()["include"]
+    command = [*compiler(), *FLAGS, f"-I{include}", str(SOURCE), "-o", str(target), *LIBS]
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except FileNotFoundError as exc:
+        raise NativeBuildError(f"no C compiler ({exc})", no_compiler=True) from exc
+    except subprocess.TimeoutExpired as exc:
+        raise NativeBuildError(f"{shlex.join(command)} ran over {BUILD_TIMEOUT_S:.0f} s") from exc
+    if run.returncode != 0:
+        output = (run.stderr + run.stdout).strip()[-2000:]
+        raise NativeBuildError(f"{shlex.join(command)} failed ({run.returncode}): {output}")
+
+
+def build(root: Path) -> tuple[Path, bool]:
+    """(path, built now) of the launcher under ``root``, compiled unless it is there."""
+    folder, name = root / FOLDER, file_name()
+    path = folder / name
+    folder.mkdir(parents=True, exist_ok=True)
+    _check_owner_and_mode(root)
+    _check_owner_and_mode(folder)  # before anything is built or loaded there
+    if _trusted(root, path):
+        return path, False
+    with filelock.FileLock(str(folder / f"{name}.lock"), timeout=LOCK_TIMEOUT_S):
+        if _trusted(root, path):  # another process built it while we waited
+            return path, False
+        start = time.perf_counter()
+        fd, temp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            _compile(Path(temp))
+            os.chmod(temp, 0o755)
+            os.replace(temp, path)
+        finally:
+            Path(temp).unlink(missing_ok=True)
+    log.info("compiled the native launcher %s in %.2f s", path, time.perf_counter() - start)
+    return path, True
+
+
+def load(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("jit_kernels._launcher", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _resolve() -> ModuleType | None:
+    try:
+        path = find() or build(default_cache_root())[0]
+        return load(path)
+    except NativeBuildError as exc:
+        level = logging.INFO if exc.no_compiler else logging.WARNING
+        log.log(level, "native launcher unavailable, launching through cuda-python: %s", exc)
+    except Exception as exc:  # an unwritable or insecure cache, a failed import: fall back
+        log.warning("native launcher unavailable, launching through cuda-python: %r", exc)
+    return None
+
+
+_resolved: list[ModuleType | None] = []  # [the launcher or None] once resolved
+_lock = threading.Lock()
+
+
+def launcher() -> ModuleType | None:
+    """The launcher module, built or found on the first call of the process; None when
+    switched off (FLASHINFER_JIT_NATIVE_LAUNCH=0, read per call) or unavailable."""
+    if os.environ.get(NATIVE_ENV) == "0":
+        return None
+    if not _resolved:
+        with _lock:
+            if not _resolved:
+                _resolved.append(_resolve())
+    return _resolved[0]

@@ -1,0 +1,220 @@
+"""The compiled launcher (jit_kernels.native, _launcher.c) without a GPU: it builds, caches
+and imports; a broken or missing compiler and the switch fall back to cuda-python; its
+driver types match cuda.h; against a stand-in libcuda it passes every argument through and
+LoadedKernel turns a driver error into LaunchError."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from jit_kernels import native
+from jit_kernels.launch import LoadedKernel
+from jit_kernels.prebuild import build_native
+
+REPO = Path(__file__).resolve().parent.parent
+SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")
+needs_cc = pytest.mark.skipif(
+    not shutil.which(native.compiler()[0]), reason="no C compiler on this machine"
+)
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """An empty cache, no bundles, the switch unset and nothing resolved yet."""
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(tmp_path / "cache"))
+    for name in ("FLASHINFER_JIT_CUBIN_PATH", native.NATIVE_ENV, "CC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(native, "_resolved", [])
+    return tmp_path / "cache"
+
+
+@needs_cc
+def test_builds_once_into_the_cache_and_imports(fresh, monkeypatch):
+    module = native.launcher()
+    assert module is not None and callable(module.launch) and callable(module.launch_programmatic)
+    (built,) = (fresh / "native").glob(f"_launcher-*{SUFFIX}")
+    assert built.name == native.file_name() and native.find() == built
+    assert native.launcher() is module  # resolved once per process
+    monkeypatch.setattr(native, "_resolved", [])
+    monkeypatch.setenv("CC", "/bin/false")  # a second process finds it: no compiler runs
+    assert native.launcher() is not None
+
+
+@needs_cc
+def test_a_bundle_is_searched_first(fresh, tmp_path, monkeypatch):
+    assert build_native(tmp_path / "bundle")[0] == "built"
+    assert build_native(tmp_path / "bundle")[0] == "cached"
+    monkeypatch.setenv("FLASHINFER_JIT_CUBIN_PATH", str(tmp_path / "bundle"))
+    assert native.find() == tmp_path / "bundle" / "native" / native.file_name()
+    assert native.launcher() is not None and not (fresh / "native").exists()
+
+
+@pytest.mark.parametrize(
+    "cc, level", [("/bin/false", logging.WARNING), ("/nonexistent/cc", logging.INFO)]
+)
+def test_a_broken_compiler_falls_back_once(fresh, monkeypatch, caplog, cc, level):
+    monkeypatch.setenv("CC", cc)
+    with caplog.at_level(logging.INFO, logger="flashinfer_jit.jit"):
+        assert native.launcher() is None
+        assert native.launcher() is None
+    (record,) = [r for r in caplog.records if "native launcher" in r.message]
+    assert record.levelno == level and "cuda-python" in record.message
+    left = [p.name for p in (fresh / "native").iterdir()]
+    assert left == [f"{native.file_name()}.lock"]  # no partial build left
+    assert build_native(None)[0] == ("failed" if level == logging.WARNING else "skipped")
+
+
+def test_the_switch_turns_it_off(fresh, monkeypatch):
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert native.launcher() is None and not fresh.exists()
+    assert build_native(None) == ("skipped", f"{native.NATIVE_ENV}=0")
+    kernel = LoadedKernel.__new__(LoadedKernel)
+    kernel._bind(0x1234, native.launcher())
+    assert kernel._native is None and kernel._native_pdl is None  # cuda-python launches
+
+
+def test_an_insecure_cache_is_refused(fresh, caplog):
+    (fresh / "native").mkdir(parents=True)
+    os.chmod(fresh / "native", 0o777)
+    with caplog.at_level(logging.WARNING, logger="flashinfer_jit.jit"):
+        assert native.launcher() is None
+    assert "writable by other users" in caplog.text
+
+
+def _cuda_header() -> Path | None:
+    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *Path("/usr/local").glob("cuda-*")]
+    roots += [Path(p) / "nvidia" / "cu13" for p in sys.path if p.endswith("site-packages")]
+    return next((Path(r) / "include" / "cuda.h" for r in roots if r and (Path(r) / "include" / "cuda.h").exists()), None)  # fmt: skip
+
+
+@needs_cc
+def test_the_declared_driver_types_match_cuda_h(fresh, tmp_path):
+    header = _cuda_header()
+    if header is None:
+        pytest.skip("no cuda.h installed")
+    probe = tmp_path / "layout.c"
+    probe.write_text(
+        textwrap.dedent("""
+        #include <cuda.h>
+        #include <stddef.h>
+        #include <stdio.h>
+        int main(void) {
+          printf("{\\"CUlaunchConfig\\": %zu, \\"CUlaunchConfig.hStream\\": %zu, "
+                 "\\"CUlaunchConfig.attrs\\": %zu, \\"CUlaunchConfig.numAttrs\\": %zu, "
+                 "\\"CUlaunchAttribute\\": %zu, \\"CUlaunchAttribute.value\\": %zu, "
+                 "\\"CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION\\": %d}",
+                 sizeof(CUlaunchConfig), offsetof(CUlaunchConfig, hStream),
+                 offsetof(CUlaunchConfig, attrs), offsetof(CUlaunchConfig, numAttrs),
+                 sizeof(CUlaunchAttribute), offsetof(CUlaunchAttribute, value),
+                 (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+          return 0;
+        }
+        """)
+    )
+    exe = tmp_path / "layout"
+    subprocess.run(
+        [*native.compiler(), f"-I{header.parent}", str(probe), "-o", str(exe)], check=True
+    )
+    expected = json.loads(subprocess.run([str(exe)], capture_output=True, check=True).stdout)
+    assert native.launcher().layout() == expected
+
+
+def test_a_launch_without_a_driver_raises(fresh):
+    import ctypes.util
+
+    if ctypes.util.find_library("cuda") or Path("/dev/nvidiactl").exists():
+        pytest.skip("this machine has a CUDA driver")
+    module = native.launcher()
+    if module is None:
+        pytest.skip("no native launcher here")
+    for launch in (module.launch, module.launch_programmatic):
+        with pytest.raises(RuntimeError, match="libcuda.so.1"):
+            launch(1, 1, 1, 1, 32, 1, 1, 0, 0, 0)
+
+
+# -- against a stand-in libcuda (in a subprocess: it stays loaded) -----------------------------
+FAKE_DRIVER = """
+/* cuLaunchKernel / cuLaunchKernelEx that record their arguments; the config is read at
+   cuda.h's offsets (hStream 32, attrs 40, numAttrs 48; an attribute's value at 8). */
+#include <string.h>
+int result;
+unsigned long long last[13];
+int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                   unsigned bz, unsigned smem, void *stream, void **params, void **extra) {
+  unsigned long long v[13] = {(unsigned long long)f, gx, gy, gz, bx, by, bz, smem,
+                              (unsigned long long)stream, (unsigned long long)params,
+                              (unsigned long long)extra, 0, 0};
+  memcpy(last, v, sizeof v);
+  return result;
+}
+int cuLaunchKernelEx(const void *config, void *f, void **params, void **extra) {
+  const unsigned *dims = (const unsigned *)config;
+  const char *attrs = *(char *const *)((const char *)config + 40);
+  unsigned long long v[13] = {(unsigned long long)f, dims[0], dims[1], dims[2], dims[3],
+                              dims[4], dims[5], dims[6],
+                              *(unsigned long long *)((const char *)config + 32),
+                              (unsigned long long)params, (unsigned long long)extra,
+                              *(const int *)attrs, *(const int *)(attrs + 8)};
+  memcpy(last, v, sizeof v);
+  return *(const unsigned *)((const char *)config + 48) == 1 ? result : -1;
+}
+"""
+
+DRIVE = """
+import ctypes, json, sys
+from pathlib import Path
+fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # dlopen("libcuda.so.1") finds it
+from jit_kernels import native
+from jit_kernels.launch import ArgPacker, LaunchError, LoadedKernel
+kernel = LoadedKernel.__new__(LoadedKernel)
+kernel.name, kernel.device, kernel.packer = "fake_kernel", 0, ArgPacker(("P", "i"))
+kernel._bind(0x1234, native.load(Path(sys.argv[2])))
+last, seen = (ctypes.c_uint64 * 13).in_dll(fake, "last"), {}
+for name in ("launch", "launch_programmatic"):
+    getattr(kernel, name)((2, 3, 4), (128, 1, 2), 0x5678, (0xDEADBEEF, -7), smem=99)
+    params = ctypes.cast(last[9], ctypes.POINTER(ctypes.c_void_p))
+    values = [ctypes.c_uint64.from_address(params[0]).value,
+              ctypes.c_int32.from_address(params[1]).value]
+    seen[name] = [*last[:9], *last[10:], *values]
+ctypes.c_int.in_dll(fake, "result").value = 700
+for name in ("launch", "launch_programmatic"):
+    try:
+        getattr(kernel, name)((1, 1, 1), (32, 1, 1), 0, (0, 0))
+    except LaunchError as exc:
+        seen[name + " error"] = str(exc)
+print(json.dumps(seen))
+"""
+
+
+@needs_cc
+def test_arguments_reach_the_driver_and_errors_raise_launch_error(tmp_path):
+    source = tmp_path / "fake_cuda.c"
+    source.write_text(FAKE_DRIVER)
+    fake = tmp_path / "libcuda.so.1"
+    subprocess.run(
+        [*native.compiler(), "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", str(source), "-o", str(fake)],
+        check=True,
+    )  # fmt: skip
+    launcher, _ = native.build(tmp_path / "cache")
+    run = subprocess.run(
+        [sys.executable, "-c", DRIVE, str(fake), str(launcher)],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(run.stdout)
+    dims = [0x1234, 2, 3, 4, 128, 1, 2, 99, 0x5678]
+    assert seen["launch"] == [*dims, 0, 0, 0, 0xDEADBEEF, -7]  # extra NULL, no attribute
+    assert seen["launch_programmatic"] == [*dims, 0, 6, 1, 0xDEADBEEF, -7]  # PDL allowed
+    for name in ("launch", "launch_programmatic"):
+        message = seen[name + " error"]
+        assert "fake_kernel" in message and "CUDA_ERROR_ILLEGAL_ADDRESS: 700" in message
