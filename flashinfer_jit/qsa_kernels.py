@@ -144,9 +144,10 @@ def decode_smem_bytes(
     q_bytes = (head_dim // 64) * 4 * 32 * 16 if q_in_smem else 0
     stage = warps * stages * (_BULK_STAGE_BYTES if bulk else head_dim * 32)
     red = warps * 16 * (head_dim + _RED_PAD) * 4 + warps * 16 * 2 * 4
-    part = 16 * (head_dim + 2) * 4 if cluster else 0
+    items = -(-16 * (head_dim // 8) // cluster) if cluster else 0  # inbox_items
+    inbox = cluster * (items * 8 + 16 * 2) * 4
     bars = warps * stages * 8 if bulk else 0
-    return q_bytes + max(stage + slot_cap * 4, red + part) + bars
+    return q_bytes + max(stage + slot_cap * 4, red) + inbox + bars
 
 
 def split_count(rows: int, num_kv_heads: int, topk: int) -> int:

@@ -91,7 +91,9 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   uint4* const wbase = smem + Q_AREA + warp * NUM_STAGES * STAGE_U4 * 32;
   const int warp_stage0 = Smem::kQBytes + warp * NUM_STAGES * SB;  // byte offset of this warp's stage 0
   const unsigned wstage = smem_u32(smem_bytes + warp_stage0);
-  const unsigned bars = smem_u32(smem_bytes + Smem::kQBytes + Smem::kMainBytes) + warp * NUM_STAGES * 8;
+  float* const inbox = reinterpret_cast<float*>(smem_bytes + Smem::kQBytes + Smem::kMainBytes);  // clusters
+  const unsigned bars =
+      smem_u32(smem_bytes + Smem::kQBytes + Smem::kMainBytes + Smem::kInboxBytes) + warp * NUM_STAGES * 8;
   if constexpr (BULK) {
     // Bulk copies skip masked tokens, whose rows keep stale bytes: zero the stages once so
     // those bytes are finite (P V multiplies them by p = 0).
@@ -101,6 +103,9 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
     fence_async_smem();
     __syncthreads();
   }
+  // A cluster's first barrier phase: this CTA has started, so peers may push into its inbox
+  // once they have waited for it (merge_and_store).
+  if constexpr (CLUSTER > 0) cluster_arrive_relaxed();
   // Everything above touches shared memory only: with a programmatic dependent launch it
   // overlaps the preceding grid.
   grid_dependency_wait();
@@ -119,13 +124,15 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   uint4 gate_pre = make_uint4(0, 0, 0, 0);
   {
     const fij::bf16_t* const grow = gate + row * gate_row + head0 * gate_head;
-    const int item0 = SINGLE ? threadIdx.x : (int)cluster_rank() * THREADS + threadIdx.x;
+    // the items this thread stores: li * NS + rank for li = threadIdx.x + k THREADS (owner_merge)
+    const int rank = SINGLE ? 0 : (int)cluster_rank();
     if constexpr (GATE_REG) {
+      const int item0 = threadIdx.x * NS + rank;
       if (item0 < GROUP * PIECES)
         gate_pre = __ldg(reinterpret_cast<const uint4*>(grow + (item0 / PIECES) * gate_head + 8 * (item0 % PIECES)));
     } else {
-      for (int item = item0; item < GROUP * PIECES; item += NS * THREADS)
-        if (item % 8 == 0) prefetch_l2(grow + (item / PIECES) * gate_head + 8 * (item % PIECES));
+      for (int item = threadIdx.x * NS + rank; item < GROUP * PIECES; item += NS * THREADS)
+        if (SINGLE ? item % 8 == 0 : true) prefetch_l2(grow + (item / PIECES) * gate_head + 8 * (item % PIECES));
     }
   }
 
@@ -420,8 +427,8 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   if constexpr (!BULK) cp_async_wait<0>();
   __syncthreads();  // every warp is done with its stages: reuse them
   merge_and_store<GROUP, HEAD_DIM, NUM_WARPS, CLUSTER, GATE_REG, TMMA>(
-      reinterpret_cast<float*>(smem + Q_AREA), acc, m0, m1, l0, l1, out + row * out_row + head0 * out_head, out_head,
-      gate + row * gate_row + head0 * gate_head, gate_head, output_scale, gate_pre);
+      reinterpret_cast<float*>(smem + Q_AREA), inbox, acc, m0, m1, l0, l1, out + row * out_row + head0 * out_head,
+      out_head, gate + row * gate_row + head0 * gate_head, gate_head, output_scale, gate_pre);
 }
 
 }  // namespace fij_qsa

@@ -111,6 +111,11 @@ __device__ __forceinline__ unsigned cluster_rank() {
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+// The split phase of a cluster barrier: arrive early (no memory ordering), wait much later.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
 __device__ __forceinline__ unsigned peer_addr(const void* p, unsigned rank) {
   unsigned r;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_u32(p)), "r"(rank));
@@ -121,11 +126,13 @@ __device__ __forceinline__ float ld_peer(unsigned addr) {
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
   return v;
 }
-__device__ __forceinline__ float4 ld_peer4(unsigned addr) {
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
-  return v;
+__device__ __forceinline__ void st_peer(unsigned addr, float v) {
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+}
+__device__ __forceinline__ void st_peer4(unsigned addr, float4 v) {
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z),
+               "f"(v.w)
+               : "memory");
 }
 
 // bf16(a * inv * sigmoid(gate)) of 8 dims, gv holding their 8 bf16 gate values.
@@ -233,41 +240,51 @@ __device__ __forceinline__ void q_fragments(const unsigned char* qs, int g, int 
                               bf16x2_to_f16x2(word_of(r1[G][u / 2], 2 * (u % 2) + 1), up1));
 }
 
-// Cluster split-K merge: rank r of the CLUSTER CTAs combines every CLUSTER-th 8-dim piece
-// of the GROUP heads from all ranks' partials (cpart: [GROUP][HEAD_DIM] unnormalized
-// accumulators, cml: their (max, sum) pairs, at the same smem offset in every CTA) and
-// writes the gated output; out/gate point at the kv head's first query head. GATE_PRE:
+// Cluster split-K: item i (head i / PIECES, 8-dim piece i % PIECES) belongs to rank
+// i % CLUSTER, at local index i / CLUSTER. Each rank pushes its partial of every item into
+// the owner's inbox (shared memory past everything else, so a peer still in its loop is
+// not disturbed): [CLUSTER sources][inbox_items(CLUSTER)][8] unnormalized accumulators,
+// then [CLUSTER sources][16 heads] (max, sum) pairs.
+template <int HEAD_DIM, int CLUSTER>
+constexpr int inbox_items() {
+  return (16 * (HEAD_DIM / 8) + CLUSTER - 1) / CLUSTER;
+}
+template <int HEAD_DIM, int CLUSTER>
+constexpr int inbox_bytes() {
+  return CLUSTER > 0 ? CLUSTER * (inbox_items<HEAD_DIM, CLUSTER>() * 8 + 16 * 2) * 4 : 0;
+}
+
+// The float4 whose component k is u's component k ^ x (x < 4): undoes merge_and_store's swz.
+__device__ __forceinline__ float4 unswizzle4(const float4& u, int x) {
+  const float4 a = (x & 1) ? make_float4(u.y, u.x, u.w, u.z) : u;
+  return (x & 2) ? make_float4(a.z, a.w, a.x, a.y) : a;
+}
+
+// The owner's merge, after the pushes landed: rank r combines its items from its inbox
+// and writes the gated output; out/gate point at the kv head's first query head. GATE_PRE:
 // gpre already holds the gate of this thread's only item (loaded at kernel start).
 template <int CLUSTER, int GROUP, int HEAD_DIM, int THREADS, bool GATE_PRE>
-__device__ __forceinline__ void cluster_merge(const float* cpart, const float* cml, fij::bf16_t* out,
-                                              long long out_head, const fij::bf16_t* gate, long long gate_head,
-                                              float output_scale, const uint4& gpre = uint4{}) {
-  constexpr int PIECES = HEAD_DIM / 8;
+__device__ __forceinline__ void owner_merge(const float* inbox, fij::bf16_t* out, long long out_head,
+                                            const fij::bf16_t* gate, long long gate_head, float output_scale,
+                                            const uint4& gpre = uint4{}) {
+  constexpr int PIECES = HEAD_DIM / 8, ITEMS = inbox_items<HEAD_DIM, CLUSTER>();
   static_assert(!GATE_PRE || GROUP * PIECES <= CLUSTER * THREADS, "one item a thread");
+  const float* const iml = inbox + CLUSTER * ITEMS * 8;
   const float neg_inf = __int_as_float(0xff800000);
-  for (int item = cluster_rank() * THREADS + threadIdx.x; item < GROUP * PIECES; item += CLUSTER * THREADS) {
-    const int h = item / PIECES, c = item - h * PIECES;
-    // Every peer's (max, sum) and piece first: one round trip through the cluster, not two.
-    float ms[CLUSTER], ls[CLUSTER];
-    float4 us[CLUSTER], vs[CLUSTER];
-#pragma unroll
-    for (int s = 0; s < CLUSTER; ++s) {
-      ms[s] = ld_peer(peer_addr(cml + h * 2, s));
-      ls[s] = ld_peer(peer_addr(cml + h * 2 + 1, s));
-      const unsigned src = peer_addr(cpart + h * HEAD_DIM + 8 * c, s);
-      us[s] = ld_peer4(src);
-      vs[s] = ld_peer4(src + 16);
-    }
+  const int rank = cluster_rank();
+  for (int li = threadIdx.x; li * CLUSTER + rank < GROUP * PIECES; li += THREADS) {
+    const int item = li * CLUSTER + rank, h = item / PIECES, c = item - h * PIECES;
     float mmax = neg_inf;
 #pragma unroll
-    for (int s = 0; s < CLUSTER; ++s) mmax = fmaxf(mmax, ms[s]);
+    for (int s = 0; s < CLUSTER; ++s) mmax = fmaxf(mmax, iml[(s * 16 + h) * 2]);
     const float base = mmax == neg_inf ? 0.f : mmax;
     float denom = 0.f, a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int s = 0; s < CLUSTER; ++s) {
-      const float w = ex2(ms[s] - base);
-      const float4 u = us[s], v = vs[s];
-      denom += ls[s] * w;
+      const float w = ex2(iml[(s * 16 + h) * 2] - base);
+      denom += iml[(s * 16 + h) * 2 + 1] * w;
+      const float4* src = reinterpret_cast<const float4*>(inbox + (s * ITEMS + li) * 8);
+      const float4 u = src[0], v = src[1];
       a[0] += u.x * w; a[1] += u.y * w; a[2] += u.z * w; a[3] += u.w * w;
       a[4] += v.x * w; a[5] += v.y * w; a[6] += v.z * w; a[7] += v.w * w;
     }
@@ -284,14 +301,22 @@ __device__ __forceinline__ void cluster_merge(const float* cpart, const float* c
 // (tokens as the MMA's rows, GROUP <= 8): acc[m] holds dims vdim(g, 2m), vdim(g, 2m + 1)
 // of heads 2t, 2t + 1, and (m0, l0), (m1, l1) are those two heads'. out/gate point at the
 // kv head's first query head of the row.
+// A cluster (which arrived on its barrier at kernel start, cluster_arrive_relaxed) pushes
+// each merged piece to its owner's `inbox` (owner_merge) and the owners write the output
+// after one barrier phase: no CTA reads a peer, so none waits for its peers before leaving.
 template <int GROUP, int HEAD_DIM, int NUM_WARPS, int CLUSTER, bool GATE_PRE, bool TMMA>
-__device__ __forceinline__ void merge_and_store(float* red, const float (&acc)[HEAD_DIM / (TMMA ? 16 : 8)][4],
-                                                float m0, float m1, float l0, float l1, fij::bf16_t* out,
-                                                long long out_head, const fij::bf16_t* gate, long long gate_head,
-                                                float output_scale, const uint4& gate_pre) {
+__device__ __forceinline__ void merge_and_store(float* red, float* inbox,
+                                                const float (&acc)[HEAD_DIM / (TMMA ? 16 : 8)][4], float m0,
+                                                float m1, float l0, float l1, fij::bf16_t* out, long long out_head,
+                                                const fij::bf16_t* gate, long long gate_head, float output_scale,
+                                                const uint4& gate_pre) {
   constexpr int RR = HEAD_DIM + kRedPad, NT = HEAD_DIM / 8, PIECES = HEAD_DIM / 8, THREADS = NUM_WARPS * 32;
   constexpr int SPAN = HEAD_DIM >= 128 ? 16 : 8;
   auto vdim = [](int c, int i) { return (i / SPAN) * 128 + SPAN * c + i % SPAN; };
+  // Dim d of a row sits at d ^ ((d >> 5) & 3): heads-as-rows stores then spread a warp's 32
+  // lanes over 32 banks (unswizzled, lanes t = 0..3 of a row hit one bank: 4-way conflicts).
+  // It permutes within aligned groups of 4 floats, so the merge's float4 reads stay whole.
+  auto swz = [](int d) { return d ^ ((d >> 5) & 3); };
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const float neg_inf = __int_as_float(0xff800000);
   float* const red_ml = red + NUM_WARPS * 16 * RR;
@@ -300,7 +325,7 @@ __device__ __forceinline__ void merge_and_store(float* red, const float (&acc)[H
     if constexpr (TMMA) {
 #pragma unroll
       for (int m = 0; m < NT / 2; ++m) {
-        const int d0 = vdim(g, 2 * m), d1 = vdim(g, 2 * m + 1);
+        const int d0 = swz(vdim(g, 2 * m)), d1 = swz(vdim(g, 2 * m + 1));
         mine[2 * t * RR + d0] = acc[m][0];
         mine[(2 * t + 1) * RR + d0] = acc[m][1];
         mine[2 * t * RR + d1] = acc[m][2];
@@ -309,7 +334,7 @@ __device__ __forceinline__ void merge_and_store(float* red, const float (&acc)[H
     } else {
 #pragma unroll
       for (int i = 0; i < NT; ++i) {
-        const int d0 = vdim(2 * t, i), d1 = vdim(2 * t + 1, i);
+        const int d0 = swz(vdim(2 * t, i)), d1 = swz(vdim(2 * t + 1, i));
         mine[g * RR + d0] = acc[i][0];
         mine[g * RR + d1] = acc[i][1];
         mine[(g + 8) * RR + d0] = acc[i][2];
@@ -326,9 +351,10 @@ __device__ __forceinline__ void merge_and_store(float* red, const float (&acc)[H
     }
   }
   __syncthreads();
-  // A cluster's partials: [GROUP][HEAD_DIM] then (max, sum) pairs, past the reduction.
-  float* const cpart = red + NUM_WARPS * 16 * RR + NUM_WARPS * 16 * 2;
-  float* const cml = cpart + GROUP * HEAD_DIM;
+  constexpr int ITEMS = CLUSTER > 0 ? inbox_items<HEAD_DIM, CLUSTER>() : 0;
+  const unsigned rank = CLUSTER > 0 ? cluster_rank() : 0;
+  // Every peer has started (its inbox may be written): the wait of the start's arrival.
+  if constexpr (CLUSTER > 0) cluster_wait();
   for (int item = threadIdx.x; item < GROUP * PIECES; item += THREADS) {
     const int h = item / PIECES, c = item - h * PIECES;
     float mmax = neg_inf;
@@ -341,28 +367,28 @@ __device__ __forceinline__ void merge_and_store(float* red, const float (&acc)[H
       const float sc = ex2(red_ml[(w * 16 + h) * 2] - base);
       denom += red_ml[(w * 16 + h) * 2 + 1] * sc;
       const float4* src = reinterpret_cast<const float4*>(red + (w * 16 + h) * RR + 8 * c);
-      const float4 u = src[0], v = src[1];
+      const float4 u = unswizzle4(src[0], (c >> 2) & 3), v = unswizzle4(src[1], (c >> 2) & 3);
       a[0] += u.x * sc; a[1] += u.y * sc; a[2] += u.z * sc; a[3] += u.w * sc;
       a[4] += v.x * sc; a[5] += v.y * sc; a[6] += v.z * sc; a[7] += v.w * sc;
     }
     if constexpr (CLUSTER > 0) {
-      float* const dst = cpart + h * HEAD_DIM + 8 * c;
-      reinterpret_cast<float4*>(dst)[0] = make_float4(a[0], a[1], a[2], a[3]);
-      reinterpret_cast<float4*>(dst)[1] = make_float4(a[4], a[5], a[6], a[7]);
-      if (c == 0) {
-        cml[h * 2] = mmax;
-        cml[h * 2 + 1] = denom;
+      const unsigned owner = item % CLUSTER;
+      const unsigned dst = peer_addr(inbox + (rank * ITEMS + item / CLUSTER) * 8, owner);
+      st_peer4(dst, make_float4(a[0], a[1], a[2], a[3]));
+      st_peer4(dst + 16, make_float4(a[4], a[5], a[6], a[7]));
+      if (c < CLUSTER) {  // the head's (max, sum) to owner c (PIECES >= 8 >= CLUSTER pieces)
+        const unsigned ml = peer_addr(inbox + CLUSTER * ITEMS * 8 + (rank * 16 + h) * 2, c);
+        st_peer(ml, mmax);
+        st_peer(ml + 4, denom);
       }
     } else {
       store_gated(out + h * out_head + 8 * c, gate + h * gate_head + 8 * c, a, denom, output_scale);
     }
   }
   if constexpr (CLUSTER > 0) {
-    // ---- cluster split-K: every split's partial is in its CTA's shared memory.
-    cluster_sync();
-    cluster_merge<CLUSTER, GROUP, HEAD_DIM, THREADS, GATE_PRE>(cpart, cml, out, out_head, gate, gate_head,
-                                                               output_scale, gate_pre);
-    cluster_sync();  // no CTA leaves while a peer may still read its shared memory
+    cluster_sync();  // every push has landed (release / acquire)
+    owner_merge<CLUSTER, GROUP, HEAD_DIM, THREADS, GATE_PRE>(inbox, out, out_head, gate, gate_head, output_scale,
+                                                             gate_pre);
   }
 }
 
@@ -379,20 +405,20 @@ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 constexpr int stage_bytes(int head_dim, bool bulk) { return bulk ? kBulkStageBytes : (head_dim / 16) * 32 * 16; }
 
 // Shared memory bytes of a decode specialization (the host computes the same:
-// flashinfer_jit/qsa.py, decode_smem_bytes). After Q's fragments (when in smem): the warp
-// stages, followed by the fused slot list (SLOT_CAP > 0) while the loop runs; afterwards
-// the same space holds the cross-warp reduction and (a cluster) this CTA's partial, placed
-// past the reduction so peers can read it. Bulk copies add one mbarrier per warp stage at
-// the end.
+// flashinfer_jit/qsa_kernels.py, decode_smem_bytes). After Q's fragments (when in smem):
+// the warp stages, followed by the fused slot list (SLOT_CAP > 0) while the loop runs;
+// afterwards the same space holds the cross-warp reduction. A cluster's inbox follows (its
+// own space: peers write it while this CTA may still be in its loop), then the bulk
+// copies' mbarriers, one per warp stage.
 template <int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP, bool BULK>
 struct DecodeSmem {
   static constexpr int kQBytes = q_in_smem(HEAD_DIM, NUM_WARPS, MIN_CTAS) ? (HEAD_DIM / 64) * 4 * 32 * 16 : 0;
   static constexpr int kStageBytes = NUM_WARPS * NUM_STAGES * stage_bytes(HEAD_DIM, BULK);
   static constexpr int kRedBytes = NUM_WARPS * 16 * (HEAD_DIM + kRedPad) * 4 + NUM_WARPS * 16 * 2 * 4;
-  static constexpr int kPartBytes = CLUSTER > 0 ? 16 * (HEAD_DIM + 2) * 4 : 0;
-  static constexpr int kMainBytes = cmax(kStageBytes + SLOT_CAP * 4, kRedBytes + kPartBytes);
+  static constexpr int kMainBytes = cmax(kStageBytes + SLOT_CAP * 4, kRedBytes);
+  static constexpr int kInboxBytes = inbox_bytes<HEAD_DIM, CLUSTER>();
   static constexpr int kBarBytes = BULK ? NUM_WARPS * NUM_STAGES * 8 : 0;
-  static constexpr int kBytes = kQBytes + kMainBytes + kBarBytes;
+  static constexpr int kBytes = kQBytes + kMainBytes + kInboxBytes + kBarBytes;
 };
 
 }  // namespace fij_qsa
