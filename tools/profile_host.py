@@ -114,8 +114,11 @@ def install_stub() -> None:
     """Make the ops' kernel paths run on CPU tensors (see the module docstring)."""
     stubs: dict[tuple, StubKernel] = {}
 
-    def get(family, params, device):
-        return stubs.setdefault((family.family, params), StubKernel(family, params))
+    def get(family, params, device):  # a dict lookup, as KernelFamily.get's hot path
+        kernel = stubs.get((family.family, params))
+        if kernel is None:
+            kernel = stubs[(family.family, params)] = StubKernel(family, params)
+        return kernel
 
     KernelFamily.get = get
     fakes = {
