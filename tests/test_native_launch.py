@@ -92,9 +92,11 @@ def test_an_insecure_cache_is_refused(fresh, caplog):
 
 
 def _cuda_header() -> Path | None:
-    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *Path("/usr/local").glob("cuda-*")]
+    """A cuda.h: the toolkit's, else the nvidia-cuda-runtime wheel's."""
+    roots = [os.environ.get("CUDA_HOME"), "/usr/local/cuda", *Path("/usr/local").glob("cuda-*")]
     roots += [Path(p) / "nvidia" / "cu13" for p in sys.path if p.endswith("site-packages")]
-    return next((Path(r) / "include" / "cuda.h" for r in roots if r and (Path(r) / "include" / "cuda.h").exists()), None)  # fmt: skip
+    headers = [Path(root) / "include" / "cuda.h" for root in roots if root]
+    return next((header for header in headers if header.exists()), None)
 
 
 @needs_cc
