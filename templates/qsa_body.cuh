@@ -2,6 +2,7 @@
 // the design is described there.
 #pragma once
 #include "qsa_bulk.cuh"
+#include "qsa_merge.cuh"
 #include "qsa_rows.cuh"
 #include "qsa_slots.cuh"
 #include "qsa_tmma.cuh"
