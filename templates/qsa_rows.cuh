@@ -1,9 +1,9 @@
 // NCH 16-token chunks of the QSA decode with the group's heads as the MMAs' rows (the
 // group zero-padded to 16; templates/qsa_body.cuh): S = Q K^T, one online-softmax step over
-// all NCH x 16 tokens, O += P V. NCH = 2 (PAIR in qsa_body.cuh) hands the tensor cores two
-// chunks' independent QK chains at once and takes one softmax step for both: a warp with a
-// few chunks (a small batch's cluster split) waits on latencies, not on issue slots.
-// NCH = 1 is the one-chunk step, the same operations in the same order as before PAIR.
+// all NCH x 16 tokens, O += P V. NCH > 1 (STEP in qsa_body.cuh) hands the tensor cores
+// NCH chunks' independent QK chains at once and takes one softmax step for all: a warp with
+// a few chunks (a small batch's cluster split) waits on latencies, not on issue slots.
+// NCH = 1 is the one-chunk step, the same operations in the same order as before STEP.
 #pragma once
 #include "qsa_util.cuh"
 
