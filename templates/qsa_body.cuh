@@ -363,38 +363,8 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
     else return qreg[G][u];
   };
   if constexpr (STEP > 1) {
-    // Step k / STEP takes chunks k .. k + STEP - 1 from stages STEP s .. STEP s + STEP - 1; a
-    // last, shorter step takes its chunks one at a time.
-    for (int k = 0; k < my_n; k += STEP) {
-      const int s_read = (k / STEP) % PS, s_issue = (k / STEP + PS - 1) % PS;
-      const int c = k + STEP * (PS - 1);  // the first chunk issued now
-#pragma unroll
-      for (int h = 0; h < STEP; ++h)
-        if (c + h < my_n) ring |= issue(STEP * s_issue + h, nxt[h]) << (4 * (STEP * (PS - 1) + h));
-      cp_async_commit();
-#pragma unroll
-      for (int h = 0; h < STEP; ++h)
-        if (c + STEP + h < my_n) nxt[h] = load_slots(c + STEP + h);
-      cp_async_wait<PS - 1>();
-      const unsigned step_bits = ring;  // chunk h's 4 bits at 4 h
-      ring >>= 4 * STEP;
-      const uint4* const st = wbase + STEP * s_read * STAGE_U4 * 32;
-      auto k_of = [&](int h, int j, int G) { return k_piece(st + h * STAGE_U4 * 32, nullptr, j, G); };
-      auto v_of = [&](int h, int w, unsigned (&b)[4][2]) { v_frags(st + h * STAGE_U4 * 32, nullptr, w, b); };
-      if (k + STEP <= my_n) {
-        unsigned bits[STEP];
-#pragma unroll
-        for (int h = 0; h < STEP; ++h) bits[h] = (step_bits >> (4 * h)) & 0xfu;
-        rows_chunks<STEP, NG, VW>(acc, m0, m1, l0, l1, row_scale0, row_scale1, bits, q_of, k_of, v_of);
-      } else {
-        for (int h = 0; h < my_n - k; ++h) {
-          const unsigned one[1] = {(step_bits >> (4 * h)) & 0xfu};
-          auto k_h = [&](int, int j, int G) { return k_of(h, j, G); };
-          auto v_h = [&](int, int w, unsigned (&b)[4][2]) { v_of(h, w, b); };
-          rows_chunks<1, NG, VW>(acc, m0, m1, l0, l1, row_scale0, row_scale1, one, q_of, k_h, v_h);
-        }
-      }
-    }
+    step_loop<STEP, PS, NG, VW, STAGE_U4 * 32>(my_n, ring, nxt, issue, load_slots, wbase, k_piece, v_frags, q_of, acc,
+                                               m0, m1, l0, l1, row_scale0, row_scale1);
   }
   const int warp_stages = keep(warp_stage0);
   // LEAN: chunk k's stage and its mbarrier phase parity, advanced by the loop.
