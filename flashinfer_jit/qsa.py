@@ -129,11 +129,11 @@ def _decode_launch(
     slot_entries: int | None = None,
     tmma: bool | None = None,
     lean: bool | None = None,
-    step: int | None = None,
+    pair: bool | None = None,
 ) -> DecodeLaunch:
     """What ``_run_kernels`` launches (nothing is launched here): a repeat call replays it.
-    ``config`` (warps, stages, min CTAs), ``bulk`` (the gather), ``step`` (a cluster's
-    chunks a step: 1, 2 or 4), ``pdl``, ``slot_entries``
+    ``config`` (warps, stages, min CTAs), ``bulk`` (the gather), ``pair`` (a cluster's two
+    chunks a step), ``pdl``, ``slot_entries``
     and the single pass's ``tmma`` and ``lean`` loops override the shipped choices (None:
     the shipped ones, PDL, SLOT_ENTRIES_PER_THREAD, TMMA and LEAN_LOOP as flipped)."""
     rows, num_q_heads, head_dim = q.shape
@@ -158,13 +158,13 @@ def _decode_launch(
     pdl = PDL if pdl is None else bool(pdl)
     device = cuda_device_index(q)
     grid_ctas, bulk_ok = rows * num_kv_heads * num_splits, _bulk_ok(k_cache, v_cache, device)
-    bulk, config, step = gather_choice(
-        head_dim, cluster, grid_ctas, sm_count(device), bulk_ok, bulk, config, step
+    bulk, config, pair = gather_choice(
+        head_dim, cluster, grid_ctas, sm_count(device), bulk_ok, bulk, config, pair
     )
     tmma = TMMA if tmma is None else bool(tmma)
     lean = LEAN_LOOP if lean is None else bool(lean)
     family, params = decode_plan(
-        num_q_heads // num_kv_heads, head_dim, cluster, fused, bulk, config, tmma, lean, step
+        num_q_heads // num_kv_heads, head_dim, cluster, fused, bulk, config, tmma, lean, pair
     )
     slot_pass = None
     if not fused:

@@ -67,17 +67,16 @@ DECODE_CONFIG = {64: (4, 8, 1), 128: (4, 3, 4), 256: (4, 2, 1)}
 BULK_SINGLE_PASS = (4, 3, 4)
 BULK_CLUSTER = (4, 2, 4)
 CLUSTER_CONFIG = {128: (4, 2, 4)}
-# A cp.async cluster grid of half a wave or less (one CTA per SM) takes CLUSTER_STEP chunks
-# a step (STEP, templates/qsa_rows.cuh), with CLUSTER_STEP_CONFIGS' stages (three or two
-# steps in flight); 1 CTA per SM lifts the 128-register launch bound. H200, graph µs, one
-# chunk a step ((4, 2, 4)) -> two ((4, 4, 1) / (4, 6, 1)): rows/Hq/Hkv/topk 1/64/4/2048
-# 8.9 -> 8.6 / 8.7, 2/64/4/2048 9.7 -> 9.2 / 9.1, 4/64/4/2048 12.0 -> 11.2 / 10.9,
-# 4/32/4/2048 11.6 -> 10.6 / 10.8; at 128 CTAs two a step lost (8/64/4/2048 14.8 -> 15.5,
-# 4/64/4/8192 22.4 -> 23.0, 4/32/8/4096 19.7 -> 20.2). Four a step ((4, 8, 1)) against two,
-# later kernels: 10.43 / 10.51, 7.83 / 7.76, 8.72 / 8.31, 10.47 / 10.05 (same four rows):
-# no better, so two.
-CLUSTER_STEP = 2
-CLUSTER_STEP_CONFIGS = {1: CLUSTER_CONFIG[128], 2: (4, 6, 1), 4: (4, 8, 1)}
+# A cp.async cluster grid of half a wave or less (one CTA per SM) steps its warps two chunks
+# at a time (PAIR, templates/qsa_rows.cuh): its 6 stages hold 3 pairs, and 1 CTA per SM
+# lifts the 128-register launch bound. H200, graph µs (one chunk a step, (4, 2, 4) -> pairs
+# (4, 4, 1) / (4, 6, 1)): rows/Hq/Hkv/topk 1/64/4/2048 8.9 -> 8.6 / 8.7, 2/64/4/2048 9.7 ->
+# 9.2 / 9.1, 4/64/4/2048 12.0 -> 11.2 / 10.9, 4/32/4/2048 11.6 -> 10.6 / 10.8; at 128 CTAs
+# pairs lost (8/64/4/2048 14.8 -> 15.5, 4/64/4/8192 22.4 -> 23.0, 4/32/8/4096 19.7 -> 20.2).
+# Four chunks a step ((4, 8, 1), a generalized loop tried in ff1b678) against two, later
+# kernels: 10.43 / 10.51, 7.83 / 7.76, 8.72 / 8.31, 10.47 / 10.05 (rows 4, 1, 2 of G=16 and
+# rows 4 of G=8): no better, so the pairs stay, in the loop the GPU tests ran.
+CLUSTER_PAIR_CONFIG = (4, 6, 1)
 # Split-K: the CLUSTER_SIZES splits of a (row, kv head) are one thread block cluster
 # merging through distributed shared memory; a split whose share fits CLUSTER_SLOT_CAP
 # entries resolves its own slots (no slot pass: one launch a call). Round 3 (H200, G=16
@@ -131,7 +130,7 @@ cluster_family = kernel_family(
     "qsa_decode_cluster",
     "qsa_decode.cuh",
     "fij_qsa::qsa_decode_cluster",
-    (*_DECODE_PARAMS, "cluster", "slot_cap", "bulk", "step"),
+    (*_DECODE_PARAMS, "cluster", "slot_cap", "bulk", "pair"),
     _DECODE_SIGNATURE,
 )
 
@@ -188,20 +187,19 @@ def default_config(head_dim: int, cluster: int, bulk: bool) -> Config:
     return DECODE_CONFIG[head_dim]
 
 
-def cluster_step(head_dim: int, cluster: int, bulk: bool, grid_ctas: int, sms: int) -> int:
-    """The shipped chunks a step: CLUSTER_STEP for cp.async clusters (D=128) of at most half
-    a wave, else 1."""
-    small = bool(cluster) and not bulk and head_dim == 128 and 2 * grid_ctas <= sms
-    return CLUSTER_STEP if small else 1
+def takes_pairs(head_dim: int, cluster: int, bulk: bool, grid_ctas: int, sms: int) -> bool:
+    """The shipped step: two chunks at a time for cp.async clusters (D=128) of at most half
+    a wave."""
+    return bool(cluster) and not bulk and head_dim == 128 and 2 * grid_ctas <= sms
 
 
-def checked_config(config: tuple, head_dim: int, bulk: bool, step: int = 1) -> Config:
+def checked_config(config: tuple, head_dim: int, bulk: bool, pair: bool = False) -> Config:
     """An opt-in (warps, stages, min CTAs): in the template's ranges and within 227 KB."""
     warps, stages, min_ctas = (int(c) for c in config)
     if warps not in (4, 8) or not 2 <= stages <= 8 or not 1 <= min_ctas <= 8:
         raise ValueError(f"config (warps, stages, min_ctas) out of range: {config}")
-    if step > 1 and (stages < 2 * step or stages % step):
-        raise ValueError(f"{step} chunks a step need stages in multiples of {step}, >= 2 steps")
+    if pair and (stages < 4 or stages % 2):
+        raise ValueError(f"two chunks a step need an even number of stages >= 4: {config}")
     worst = decode_smem_bytes(head_dim, (warps, stages, min_ctas), 8, CLUSTER_SLOT_CAP, bulk)
     if worst > SMEM_LIMIT:
         raise ValueError(f"config {config} needs more than 227 KB of shared memory")
@@ -216,10 +214,10 @@ def gather_choice(
     bulk_ok: bool,
     bulk: bool | None = None,
     config: tuple | None = None,
-    step: int | None = None,
-) -> tuple[bool, Config, int]:
-    """(bulk, config, chunks a step) of a decode launch: the shipped rule, or opt-in
-    overrides, checked."""
+    pair: bool | None = None,
+) -> tuple[bool, Config, bool]:
+    """(bulk, config, pair) of a decode launch: the shipped rule, or opt-in overrides,
+    checked."""
     if bulk is None:
         bulk = takes_bulk(bulk_ok, cluster, grid_ctas, sms)
     elif bulk and not bulk_ok:
@@ -227,16 +225,14 @@ def gather_choice(
             "bulk copies need head_dim 128, v_cache right after k_cache with its strides "
             "(the combined cache) and sm_90+"
         )
-    if step is None:  # a config given without a step: one chunk a step
-        step = cluster_step(head_dim, cluster, bulk, grid_ctas, sms) if config is None else 1
-    elif step not in CLUSTER_STEP_CONFIGS:
-        raise ValueError(f"step must be one of {tuple(CLUSTER_STEP_CONFIGS)}, got {step}")
-    elif step > 1 and (not cluster or bulk):
-        raise ValueError("several chunks a step: cp.async clusters only")
+    if pair is None:  # a config given without pair: the one-chunk step
+        pair = config is None and takes_pairs(head_dim, cluster, bulk, grid_ctas, sms)
+    elif pair and (not cluster or bulk):
+        raise ValueError("two chunks a step: cp.async clusters only")
     if config is None:
-        config = CLUSTER_STEP_CONFIGS[step] if step > 1 else default_config(head_dim, cluster, bulk)
-        return bool(bulk), config, step
-    return bool(bulk), checked_config(config, head_dim, bulk, step), step
+        config = CLUSTER_PAIR_CONFIG if pair else default_config(head_dim, cluster, bulk)
+        return bool(bulk), config, bool(pair)
+    return bool(bulk), checked_config(config, head_dim, bulk, pair), bool(pair)
 
 
 def slot_plan(page_size: int, order: bool, entries: int) -> Plan:
@@ -252,18 +248,18 @@ def decode_plan(
     config: Config,
     tmma: bool = False,
     lean: bool = False,
-    step: int = 1,
+    pair: bool = False,
 ) -> Plan:
     """The decode kernel of a single pass (``cluster`` 0) or of a cluster split-K. The single
     pass's loop forms: ``tmma``, tokens as the MMAs' rows (groups of at most 8
     heads; ignored above); ``lean``, loop invariants kept in registers. A cluster's
-    ``step``: chunks a step."""
+    ``pair``: two chunks a step."""
     if not cluster:
         tmma = tmma and group <= TMMA_MAX_GROUP
         if tmma or lean:
             return decode_form_family, (group, head_dim, *config, bulk, tmma, lean)
         return decode_family, (group, head_dim, *config, bulk)
-    return cluster_family, (group, head_dim, *config, cluster, CLUSTER_SLOT_CAP * fused, bulk, step)
+    return cluster_family, (group, head_dim, *config, cluster, CLUSTER_SLOT_CAP * fused, bulk, pair)
 
 
 def dispatch_plans(
@@ -291,10 +287,10 @@ def dispatch_plans(
             continue
         fused = fused_fits(topk, splits)
         grid = rows * num_kv_heads * splits
-        bulk, config, step = gather_choice(head_dim, splits, grid, sms, bulk_ok)
+        bulk, config, pair = gather_choice(head_dim, splits, grid, sms, bulk_ok)
         if not fused:
             plans.append(slot_plan(page_size, False, entries))
-        plans.append(decode_plan(group, head_dim, splits, fused, bulk, config, step=step))
+        plans.append(decode_plan(group, head_dim, splits, fused, bulk, config, pair=pair))
     return list(dict.fromkeys(plans))
 
 
@@ -312,8 +308,7 @@ def all_specs(
             config = default_config(head_dim, cluster, bulk)
             for fused in (True, False):
                 plans.append(decode_plan(group, head_dim, cluster, fused, bulk, config))
-                step = cluster_step(head_dim, cluster, bulk, 1, 2)  # small grids
-                if step > 1:
-                    steps = (cluster, fused, False, CLUSTER_STEP_CONFIGS[step])
-                    plans.append(decode_plan(group, head_dim, *steps, step=step))
+                if takes_pairs(head_dim, cluster, bulk, 1, 2):  # small grids
+                    pairs = (cluster, fused, False, CLUSTER_PAIR_CONFIG)
+                    plans.append(decode_plan(group, head_dim, *pairs, pair=True))
     return [family.spec(params) for family, params in plans]

@@ -47,10 +47,10 @@ namespace fij_qsa {
 // LEAN: the loop's per-thread invariants (stage offsets, slot pointer) are computed once
 // and kept in registers (pinned: ptxas otherwise recomputes them from threadIdx in every
 // iteration) and the stages advance by counters instead of k % NUM_STAGES.
-// STEP (cp.async, heads as rows): a warp takes STEP chunks at a time (1, 2 or 4; see
-// qsa_rows.cuh), its NUM_STAGES stages holding NUM_STAGES / STEP steps in flight.
+// PAIR (cp.async, heads as rows): a warp steps two chunks at a time (qsa_rows.cuh), its
+// NUM_STAGES stages holding NUM_STAGES / 2 pairs in flight.
 template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP, bool BULK,
-          bool TMMA, bool LEAN, int STEP = 1>
+          bool TMMA, bool LEAN, bool PAIR = false>
 __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head dim");
   static_assert(GROUP >= 1 && GROUP <= 16, "group size");
@@ -58,9 +58,7 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   static_assert(!BULK || HEAD_DIM == 128, "bulk stages are laid out for D = 128");
   static_assert(SLOT_CAP == 0 || CLUSTER > 0, "in-kernel slots: clusters only");
   static_assert(!TMMA || GROUP <= 8, "tokens as MMA rows: the heads fill 8 columns");
-  static_assert(STEP == 1 || ((STEP == 2 || STEP == 4) && !BULK && !TMMA && !LEAN && NUM_STAGES % STEP == 0 &&
-                               NUM_STAGES >= 2 * STEP),
-                "steps of several chunks: cp.async, heads as rows, two steps of stages at least");
+  static_assert(!PAIR || (!BULK && !TMMA && !LEAN && NUM_STAGES % 2 == 0 && NUM_STAGES >= 4), "pairs");
   constexpr bool SINGLE = CLUSTER == 0;
   constexpr int NS = SINGLE ? 1 : CLUSTER;  // splits of a (row, kv head)
   constexpr int NG = HEAD_DIM / 64;       // 64-dim groups of a K row: one 16-B piece per quad lane
@@ -261,8 +259,8 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   float m0 = neg_inf, m1 = neg_inf, l0 = 0.f, l1 = 0.f;
 
   // Prologue: slot loads of the first PS - 1 steps' chunks in parallel, then their copies
-  // (a step: STEP chunks; chunk c goes to stage c).
-  constexpr int CPS = STEP;                        // chunks per step
+  // (a step: one chunk, PAIR two; chunk c goes to stage c).
+  constexpr int CPS = PAIR ? 2 : 1;                // chunks per step
   constexpr int PS = NUM_STAGES / CPS;             // steps the stages hold
   unsigned ring = 0;
   {
@@ -280,9 +278,8 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   }
   // The slots of the chunk(s) issued at the top of the next step (loaded one step before
   // their copies are issued).
-  int nxt[CPS];
-#pragma unroll
-  for (int h = 0; h < CPS; ++h) nxt[h] = pre_ok(CPS * (PS - 1) + h) ? load_slots(CPS * (PS - 1) + h) : -1;
+  int next = pre_ok(CPS * (PS - 1)) ? load_slots(CPS * (PS - 1)) : -1;
+  int next2 = PAIR && pre_ok(CPS * (PS - 1) + 1) ? load_slots(CPS * (PS - 1) + 1) : -1;
 
   // ---- Q fragments (rows g, g+8 of the group; padding rows are zero) -------------------
   // QK runs in fp16 so K needs one cvt per two e4m3 bytes (see q_fragments for exactness).
@@ -362,20 +359,41 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
     if constexpr (Q_SMEM) return qsm[(G * 4 + u) * 32 + lane];
     else return qreg[G][u];
   };
-  if constexpr (STEP > 1) {
-    step_loop<STEP, PS, NG, VW, STAGE_U4 * 32>(my_n, ring, nxt, issue, load_slots, wbase, k_piece, v_frags, q_of, acc,
-                                               m0, m1, l0, l1, row_scale0, row_scale1);
+  if constexpr (PAIR) {
+    // Step k / 2 takes chunks k and k + 1 (the last may be single) from stages 2s, 2s + 1.
+    for (int k = 0; k < my_n; k += 2) {
+      const int s_read = (k / 2) % PS, s_issue = (k / 2 + PS - 1) % PS;
+      const int c = k + 2 * (PS - 1);  // the first chunk issued now
+      if (c < my_n) ring |= issue(2 * s_issue, next) << (4 * (2 * PS - 2));
+      if (c + 1 < my_n) ring |= issue(2 * s_issue + 1, next2) << (4 * (2 * PS - 1));
+      cp_async_commit();
+      if (c + 2 < my_n) next = load_slots(c + 2);
+      if (c + 3 < my_n) next2 = load_slots(c + 3);
+      cp_async_wait<PS - 1>();
+      const unsigned bits[2] = {ring & 0xfu, (ring >> 4) & 0xfu};
+      ring >>= 8;
+      const uint4* const st0 = wbase + 2 * s_read * STAGE_U4 * 32;
+      const uint4* const st1 = st0 + STAGE_U4 * 32;
+      auto k_of = [&](int h, int j, int G) { return k_piece(h ? st1 : st0, nullptr, j, G); };
+      auto v_of = [&](int h, int w, unsigned (&b)[4][2]) { v_frags(h ? st1 : st0, nullptr, w, b); };
+      if (k + 1 < my_n) {
+        rows_chunks<2, NG, VW>(acc, m0, m1, l0, l1, row_scale0, row_scale1, bits, q_of, k_of, v_of);
+      } else {
+        const unsigned one[1] = {bits[0]};
+        rows_chunks<1, NG, VW>(acc, m0, m1, l0, l1, row_scale0, row_scale1, one, q_of, k_of, v_of);
+      }
+    }
   }
   const int warp_stages = keep(warp_stage0);
   // LEAN: chunk k's stage and its mbarrier phase parity, advanced by the loop.
   int stage = 0;
   unsigned parity = 0;
-  for (int k = 0; k < (STEP > 1 ? 0 : my_n); ++k) {
+  for (int k = 0; k < (PAIR ? 0 : my_n); ++k) {
     const int s_read = LEAN ? stage : k % NUM_STAGES;
     const int s_issue = LEAN ? (stage == 0 ? NUM_STAGES - 1 : stage - 1) : (k + NUM_STAGES - 1) % NUM_STAGES;
-    if (k + NUM_STAGES - 1 < my_n) ring |= issue(s_issue, nxt[0]) << (4 * (NUM_STAGES - 1));
+    if (k + NUM_STAGES - 1 < my_n) ring |= issue(s_issue, next) << (4 * (NUM_STAGES - 1));
     if constexpr (!BULK) cp_async_commit();
-    if (k + NUM_STAGES < my_n) nxt[0] = load_slots(k + NUM_STAGES);
+    if (k + NUM_STAGES < my_n) next = load_slots(k + NUM_STAGES);
     if constexpr (BULK) mbar_wait(bars + 8 * s_read, LEAN ? parity : (k / NUM_STAGES) & 1);
     else cp_async_wait<NUM_STAGES - 1>();
     if (LEAN && ++stage == NUM_STAGES) {

@@ -52,13 +52,13 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) qsa_decode_form(FIJ_
 // The small-batch kernel: CLUSTER splits per (row, kv head) in one thread block cluster
 // (grid.y = CLUSTER), merged through distributed shared memory; SLOT_CAP > 0 also resolves
 // the slots in the kernel, so a call is this one launch.
-// STEP: its warps take STEP chunks at a time (small grids: few chunks a warp).
+// PAIR: its warps step two chunks at a time (one-wave grids: few chunks a warp).
 template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP, bool BULK,
-          int STEP>
+          bool PAIR>
 __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__(NUM_WARPS * 32, MIN_CTAS)
     qsa_decode_cluster(FIJ_QSA_DECODE_PARAMS) {
   static_assert(CLUSTER >= 2 && CLUSTER <= 8, "portable cluster sizes");
-  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, CLUSTER, SLOT_CAP, BULK, false, false, STEP>(
+  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, CLUSTER, SLOT_CAP, BULK, false, false, PAIR>(
       FIJ_QSA_DECODE_ARGS);
 }
 

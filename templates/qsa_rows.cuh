@@ -1,9 +1,9 @@
 // NCH 16-token chunks of the QSA decode with the group's heads as the MMAs' rows (the
 // group zero-padded to 16; templates/qsa_body.cuh): S = Q K^T, one online-softmax step over
-// all NCH x 16 tokens, O += P V. NCH > 1 (STEP in qsa_body.cuh) hands the tensor cores
-// NCH chunks' independent QK chains at once and takes one softmax step for all: a warp with
-// a few chunks (a small batch's cluster split) waits on latencies, not on issue slots.
-// NCH = 1 is the one-chunk step, the same operations in the same order as before STEP.
+// all NCH x 16 tokens, O += P V. NCH = 2 (PAIR in qsa_body.cuh) hands the tensor cores two
+// chunks' independent QK chains at once and takes one softmax step for both: a warp with a
+// few chunks (a small batch's cluster split) waits on latencies, not on issue slots.
+// NCH = 1 is the one-chunk step, the same operations in the same order as before PAIR.
 #pragma once
 #include "qsa_util.cuh"
 
@@ -110,52 +110,6 @@ __device__ __forceinline__ void rows_chunks(float (&acc)[4 * VW][4], float& m0, 
       v_of(h, w, b);
 #pragma unroll
       for (int i = 0; i < 4; ++i) mma_f16(acc[4 * w + i], pa, b[i][0], b[i][1]);
-    }
-  }
-}
-
-// The decode loop of STEP > 1 chunks a step (qsa_body.cuh, cp.async stages, heads as rows),
-// after its prologue put PS - 1 steps in flight: step k / STEP takes chunks k .. k + STEP - 1
-// from stages STEP s .. STEP s + STEP - 1 (s = its step's slot of PS); a last, shorter step
-// takes its chunks one at a time. ring: 4 score bits per chunk in flight, the current one
-// lowest; nxt: the slots of the chunks issued at the top of the next step. issue(stage,
-// slots) returns a chunk's score bits; load_slots(chunk); stage s of the warp starts at
-// stages + STAGE s; k_piece(stage, bulk stage, j, G) and v_frags(stage, bulk stage, w, b)
-// read a stage.
-template <int STEP, int PS, int NG, int VW, int STAGE, typename Issue, typename LoadSlots, typename KPiece,
-          typename VFrags, typename QOf>
-__device__ __forceinline__ void step_loop(int my_n, unsigned ring, int (&nxt)[STEP], Issue issue, LoadSlots load_slots,
-                                          const uint4* stages, KPiece k_piece, VFrags v_frags, QOf q_of,
-                                          float (&acc)[4 * VW][4], float& m0, float& m1, float& l0, float& l1,
-                                          float row_scale0, float row_scale1) {
-  for (int k = 0; k < my_n; k += STEP) {
-    const int s_read = (k / STEP) % PS, s_issue = (k / STEP + PS - 1) % PS;
-    const int c = k + STEP * (PS - 1);  // the first chunk issued now
-#pragma unroll
-    for (int h = 0; h < STEP; ++h)
-      if (c + h < my_n) ring |= issue(STEP * s_issue + h, nxt[h]) << (4 * (STEP * (PS - 1) + h));
-    cp_async_commit();
-#pragma unroll
-    for (int h = 0; h < STEP; ++h)
-      if (c + STEP + h < my_n) nxt[h] = load_slots(c + STEP + h);
-    cp_async_wait<PS - 1>();
-    const unsigned step_bits = ring;  // chunk h's 4 bits at 4 h
-    ring >>= 4 * STEP;
-    const uint4* const st = stages + STEP * s_read * STAGE;
-    auto k_of = [&](int h, int j, int G) { return k_piece(st + h * STAGE, nullptr, j, G); };
-    auto v_of = [&](int h, int w, unsigned (&b)[4][2]) { v_frags(st + h * STAGE, nullptr, w, b); };
-    if (k + STEP <= my_n) {
-      unsigned bits[STEP];
-#pragma unroll
-      for (int h = 0; h < STEP; ++h) bits[h] = (step_bits >> (4 * h)) & 0xfu;
-      rows_chunks<STEP, NG, VW>(acc, m0, m1, l0, l1, row_scale0, row_scale1, bits, q_of, k_of, v_of);
-    } else {
-      for (int h = 0; h < my_n - k; ++h) {
-        const unsigned one[1] = {(step_bits >> (4 * h)) & 0xfu};
-        auto k_h = [&](int, int j, int G) { return k_of(h, j, G); };
-        auto v_h = [&](int, int w, unsigned (&b)[4][2]) { v_of(h, w, b); };
-        rows_chunks<1, NG, VW>(acc, m0, m1, l0, l1, row_scale0, row_scale1, one, q_of, k_h, v_h);
-      }
     }
   }
 }

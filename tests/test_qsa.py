@@ -331,7 +331,7 @@ def test_split_count_and_specs():
     specs = qk.all_specs(16, 128, 64, 1)
     assert {s.family for s in specs} == {"qsa_slots", "qsa_decode", "qsa_decode_cluster"}
     clusters = {s.label for s in specs if s.family == "qsa_decode_cluster"}
-    # fused or not; bulk, cp.async or cp.async several chunks a step
+    # fused or not; bulk, cp.async or cp.async two chunks a step
     assert len(clusters) == 2 * 3 * len(qk.CLUSTER_SIZES)
     assert len(qk.all_specs(16, 64, 64, 1)) == 2 + 1 + 2 * len(qk.CLUSTER_SIZES)  # no bulk
 
@@ -351,7 +351,7 @@ def _cuobjdump() -> str | None:
 
 # Beyond the shipped specializations: cluster sizes and slot caps the dispatcher does not
 # use (group, head dim, cluster, slot cap), and the alternatives of tools/bench_qsa.py
-# --lean (slot-pass entries per thread; 3-stage bulk clusters; four chunks a step).
+# --lean (slot-pass entries per thread; 3-stage bulk clusters).
 CLUSTER_EXTRA = [(5, 64, 3, 512), (16, 256, 2, 0), (1, 128, 7, 1024)]
 
 
@@ -360,16 +360,13 @@ def _checked_specs() -> list:
     specs += qk.all_specs(5, 128, 48, 1)
     specs += [qk.slots_family.spec((64, order, e)) for order in (True, False) for e in (2, 4, 8)]
     specs += [
-        qk.cluster_family.spec((16, 128, 4, 3, 4, c, cap, True, 1))
+        qk.cluster_family.spec((16, 128, 4, 3, 4, c, cap, True, False))
         for c, cap in ((8, 1024), (2, 0))
     ]
     specs += [
-        qk.cluster_family.spec((g, d, *qk.DECODE_CONFIG[d], c, cap, False, 1))
+        qk.cluster_family.spec((g, d, *qk.DECODE_CONFIG[d], c, cap, False, False))
         for g, d, c, cap in CLUSTER_EXTRA
     ]
-    # four chunks a step (the benchmark's alternative to the shipped two)
-    four = qk.CLUSTER_STEP_CONFIGS[4]
-    specs += [qk.cluster_family.spec((g, 128, *four, 4, 1024, False, 4)) for g in (16, 8)]
     return list(dict.fromkeys(specs))
 
 

@@ -26,7 +26,7 @@ SMS = 132  # H200
 
 
 def _launched(rows: int, hq: int, hkv: int, topk: int, combined: bool) -> tuple:
-    """(splits, bulk, config, chunks a step) of the dispatcher on an issue-shaped call (pure rules)."""
+    """(splits, bulk, config, pair) of the dispatcher on an issue-shaped call (pure rules)."""
     splits = (
         1 if qsa.use_fp8_decode_kernel(rows * hkv, torch.uint8) else qk.split_count(rows, hkv, topk)
     )
@@ -36,14 +36,13 @@ def _launched(rows: int, hq: int, hkv: int, topk: int, combined: bool) -> tuple:
 
 def test_issue_calls_take_the_measured_kernels():
     """The H200 sweep's winners (qsa_kernels docstring) on the issue's four calls."""
-    assert _launched(512, 64, 4, 2048, True) == (1, True, (4, 3, 4), 1)
-    assert _launched(2048, 32, 4, 1024, True) == (1, True, (4, 3, 4), 1)
-    assert _launched(64, 64, 4, 2048, True) == (2, True, (4, 2, 4), 1)  # 512 CTAs
-    assert _launched(32, 64, 4, 2048, True) == (2, False, (4, 2, 4), 1)  # 256 CTAs
-    step = qk.CLUSTER_STEP  # 64 CTAs: at most half a wave
-    assert _launched(4, 64, 4, 2048, True) == (4, False, qk.CLUSTER_STEP_CONFIGS[step], step)
-    assert _launched(512, 64, 4, 2048, False)[1:] == (False, (4, 3, 4), 1)  # V apart
-    assert _launched(64, 64, 4, 2048, False)[1:] == (False, (4, 2, 4), 1)
+    assert _launched(512, 64, 4, 2048, True) == (1, True, (4, 3, 4), False)
+    assert _launched(2048, 32, 4, 1024, True) == (1, True, (4, 3, 4), False)
+    assert _launched(64, 64, 4, 2048, True) == (2, True, (4, 2, 4), False)  # 512 CTAs
+    assert _launched(32, 64, 4, 2048, True) == (2, False, (4, 2, 4), False)  # 256 CTAs
+    assert _launched(4, 64, 4, 2048, True) == (4, False, qk.CLUSTER_PAIR_CONFIG, True)  # 64
+    assert _launched(512, 64, 4, 2048, False)[1:] == (False, (4, 3, 4), False)  # V apart
+    assert _launched(64, 64, 4, 2048, False)[1:] == (False, (4, 2, 4), False)
 
 
 @pytest.mark.parametrize("config, cluster, cap, bulk", [
@@ -51,7 +50,7 @@ def test_issue_calls_take_the_measured_kernels():
     (qk.BULK_CLUSTER, 8, qk.CLUSTER_SLOT_CAP, True),
     (qk.BULK_CLUSTER, 2, 0, True),
     (qk.CLUSTER_CONFIG[128], 8, qk.CLUSTER_SLOT_CAP, False),
-    *((c, 8, qk.CLUSTER_SLOT_CAP, False) for c in qk.CLUSTER_STEP_CONFIGS.values()),
+    (qk.CLUSTER_PAIR_CONFIG, 8, qk.CLUSTER_SLOT_CAP, False),
     (qk.DECODE_CONFIG[128], 0, 0, False),
 ])  # fmt: skip
 def test_shipped_configs_keep_their_ctas_per_sm(config, cluster, cap, bulk):

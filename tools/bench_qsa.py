@@ -62,9 +62,8 @@ VARIANTS_LEAN = [("k1", 1, False), ("k2 f", 2, True), ("k2 s", 2, False), ("k4 f
 # head rows) and LEAN (loop invariants kept in registers); each column turns one off, or
 # all ("previous": the form before them). "cp.async" / "bulk sN": the other gather, to
 # check the shipped rule (bulk on the combined cache: the single pass and 2-CTA clusters
-# over two waves); "1 chunk" / "4 chunks": a small cluster grid taking one or four chunks
-# a step on cp.async gathers (the shipped rule takes qsa_kernels.CLUSTER_STEP = 2 when the
-# grid is at most half a wave).
+# over two waves); "1 chunk": a small cluster grid stepping one chunk at a time (the
+# shipped rule steps two when the grid is at most half a wave).
 ALT_SINGLE = {
     "no pdl": dict(pdl=False),
     "slots x1": dict(slot_entries=1),
@@ -76,8 +75,7 @@ ALT_SINGLE = {
 }
 ALT_CLUSTER = {
     "no pdl": dict(pdl=False),
-    "1 chunk": dict(step=1),
-    "4 chunks": dict(step=4, bulk=False),
+    "1 chunk": dict(pair=False),
     "cp.async": dict(bulk=False),
     "bulk s2": dict(bulk=True, config=qk.BULK_CLUSTER),
     "bulk s3": dict(bulk=True, config=(4, 3, 4)),
@@ -348,7 +346,7 @@ def bench_alternatives(gib) -> None:
     print(
         "flips (one line each, flashinfer_jit/qsa.py): PDL, SLOT_ENTRIES_PER_THREAD, TMMA, "
         "LEAN_LOOP; cp.async / bulk sN winning over the default means the gather rule "
-        "(qsa_kernels.takes_bulk, BULK_CLUSTER) moves, 1 / 4 chunks the step rule (cluster_step)"
+        "(qsa_kernels.takes_bulk, BULK_CLUSTER) moves, 1 chunk the pair rule (takes_pairs)"
     )
 
 
