@@ -10,13 +10,13 @@ later loop forms, slot entries and PDL: qsa.py's launch choices and BENCHMARKS.m
     single pass                        512/64/4/2048   2048/32/4/1024
       cp.async gathers (before)            274.4           513.1
       256-byte bulk copies                 252.2           479.5
-      + row order, early prologue, gate    242.8           478.0   <- ships
+      + row order, early prologue, gate    242.8           478.0   <- shipped (round 3)
       + split QK chains                    242.0           476.2   (+12 registers, 127: no)
       128-byte bulk copies (K, V apart)    321.7           613.6   (cp.async stays for those)
     cluster split-K                     64/64/4/2048    4/64/4/2048
       before                                47.7            14.7
-      interleaved splits + gate             47.5            13.7   <- ships where bulk does not
-      + bulk copies, 2 stages               43.5            14.3   <- ships on multi-wave grids
+      interleaved splits + gate             47.5            13.7   <- shipped where bulk did not
+      + bulk copies, 2 stages               43.5            14.3   <- shipped on multi-wave grids
 
 Bulk copies fetch a token's K and V rows (256 bytes) at once, so they need D = 128 and V
 right after K in memory with K's strides: the combined [blocks, Hkv, page, 2D] cache split
@@ -187,10 +187,15 @@ def default_config(head_dim: int, cluster: int, bulk: bool) -> Config:
     return DECODE_CONFIG[head_dim]
 
 
+def pairs_apply(head_dim: int, cluster: int, bulk: bool) -> bool:
+    """Whether a launch can step two chunks at a time: a cp.async cluster at D=128."""
+    return bool(cluster) and not bulk and head_dim == 128
+
+
 def takes_pairs(head_dim: int, cluster: int, bulk: bool, grid_ctas: int, sms: int) -> bool:
-    """The shipped step: two chunks at a time for cp.async clusters (D=128) of at most half
-    a wave."""
-    return bool(cluster) and not bulk and head_dim == 128 and 2 * grid_ctas <= sms
+    """The shipped step: two chunks at a time where pairs apply and the grid is at most
+    half a wave."""
+    return pairs_apply(head_dim, cluster, bulk) and 2 * grid_ctas <= sms
 
 
 def checked_config(config: tuple, head_dim: int, bulk: bool, pair: bool = False) -> Config:
@@ -308,7 +313,7 @@ def all_specs(
             config = default_config(head_dim, cluster, bulk)
             for fused in (True, False):
                 plans.append(decode_plan(group, head_dim, cluster, fused, bulk, config))
-                if takes_pairs(head_dim, cluster, bulk, 1, 2):  # small grids
+                if pairs_apply(head_dim, cluster, bulk):  # small grids take it
                     pairs = (cluster, fused, False, CLUSTER_PAIR_CONFIG)
                     plans.append(decode_plan(group, head_dim, *pairs, pair=True))
     return [family.spec(params) for family, params in plans]

@@ -423,7 +423,8 @@ def main() -> None:
         f"dispatch: single pass when rows*Hkv >= {qk.DECODE_MIN_PROGRAMS}, else a cluster of "
         f"split_count() CTAs; (warps, stages, min CTAs/SM): cp.async {qk.DECODE_CONFIG}, "
         f"D=128 bulk copies {qk.BULK_SINGLE_PASS} single pass, {qk.BULK_CLUSTER} clusters "
-        "(multi-wave grids; one-wave clusters keep cp.async)"
+        f"(2-CTA clusters over two waves; other clusters keep cp.async, {qk.CLUSTER_CONFIG}, or "
+        f"{qk.CLUSTER_PAIR_CONFIG} two chunks a step at most half a wave)"
     )
     shapes, ks = list(ISSUE_SHAPES), VARIANTS_LEAN if opts.lean else VARIANTS
     sections = [(True, lambda gib: bench_splits(gib, shapes, "issue shapes", True, ks))]
