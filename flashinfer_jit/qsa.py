@@ -23,6 +23,7 @@ from jit_kernels import (
     current_stream,
     fall_back,
     kernels_disabled,
+    max_active_clusters,
     sm_count,
 )
 from jit_kernels.plan_cache import PlanCache
@@ -41,12 +42,15 @@ from .qsa_kernels import (
     DECODE_MIN_PROGRAMS,
     SLOT_ENTRIES,
     SLOT_THREADS,
+    WAVE_CONFIG,
+    Clusters,
     decode_plan,
     decode_smem_bytes,
     fused_fits,
     gather_choice,
+    launch_split,
     slot_plan,
-    split_count,
+    wave_smem_bytes,
 )
 from .qsa_launch import DecodeLaunch, SlotPass
 from .qsa_ref import qsa_decode_torch
@@ -224,11 +228,18 @@ def _resolve_slots(logical_indices, block_table, token_to_req, k_cache) -> torch
     return slots.view(logical_indices.shape[0], -(-(logical_indices.shape[1] - 1) // CHUNK) * CHUNK)
 
 
+def wave_clusters(device: int) -> Clusters:
+    """Cluster size -> how many clusters of WAVE_CONFIG CTAs ``device`` runs at once (the
+    one-wave split rule, qsa_kernels.launch_split); memoized by the engine."""
+    threads = 32 * WAVE_CONFIG[0]
+    return lambda k: max_active_clusters(device, k, threads, wave_smem_bytes(k))
+
+
 def use_fp8_decode_kernel(base_programs: int, cache_dtype: torch.dtype) -> bool:
     """Whether a call with ``base_programs = rows * num_kv_heads`` takes the single pass.
 
     Below DECODE_MIN_PROGRAMS the dispatcher splits each (row, kv head)'s selection over a
-    thread block cluster of 2-8 CTAs (``split_count``). Measured on the H200 (sm_90,
+    thread block cluster of 2-8 CTAs (``qsa_kernels.launch_split``). Measured on the H200 (sm_90,
     tools/bench_qsa.py, CUDA-graph µs, D=128, page 64): 2-CTA clusters beat the single pass
     up to rows * Hkv = 1024 (G=16, Hkv=4: 256 rows, topk 2048: 147 vs 150; topk 8192:
     511 vs 537; 64 rows: 48 vs 50), the two tie at 2048 (512 rows, Hq=64, topk 2048: 278 vs
@@ -249,11 +260,14 @@ def _impl(args: tuple, dispatch: bool) -> DecodeLaunch | None:
         reason = kernel_refusal(q, k_cache, v_cache, logical_indices, out, output_gate)
         if reason is None:
             rows, num_kv_heads, topk = q.shape[0], k_cache.shape[2], logical_indices.shape[1] - 1
-            splits = 1
+            splits, config, pair = 1, None, None
             if dispatch and not use_fp8_decode_kernel(rows * num_kv_heads, k_cache.dtype):
-                splits = split_count(rows, num_kv_heads, topk)
+                device = cuda_device_index(q)
+                splits, config, pair = launch_split(
+                    rows, num_kv_heads, topk, q.shape[2], sm_count(device), wave_clusters(device)
+                )
             try:
-                launch = _decode_launch(*args[:8], splits)
+                launch = _decode_launch(*args[:8], splits, config=config, pair=pair)
             except KernelUnavailable as exc:
                 reason = str(exc)
             else:
@@ -383,7 +397,9 @@ def qsa_sparse_paged_attention(
 
     ``use_fp8_decode_kernel(rows * Hkv, cache dtype)`` picks the single-pass kernel; below
     the crossover each (row, kv head)'s selection is split over a thread block cluster
-    (``split_count``) whose CTAs merge their partials through distributed shared memory.
+    (``qsa_kernels.launch_split``: as many CTAs as keep every cluster resident at once, one
+    per SM, where that holds) whose CTAs merge their partials through distributed shared
+    memory.
     """
     return _call(
         q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, output_gate,

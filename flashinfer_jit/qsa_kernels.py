@@ -41,9 +41,36 @@ clusters (CUDA-graph µs per call, D=128, page 64; pairs = rows x Hkv; cp = cp.a
 so fewer splits than before (split_count's table), two cp.async stages for clusters, and
 bulk copies only for 2-CTA clusters over more than two waves of one CTA per SM (with 4-8
 CTA clusters the cp.async gathers won even at 512 CTAs).
+
+Round 5 (a globaltimer trace per CTA, rows=4: slot lookups 1.5-1.8 µs, issuing the first
+copies 1.5 µs, the loop 4 µs, the merges 2 µs) showed a small call bound by the bytes one
+SM keeps in flight: an SM pulls ~30 GB/s of scattered 256-byte rows, so the calls go
+faster the more SMs share them, one CTA on each. Hence wave_split: as many splits as keep
+every cluster resident at once with one CTA per SM (WAVE_CONFIG's 144 KB of shared memory
+allows no second), counted by the device (jit_kernels.max_active_clusters: a cluster
+stays within a GPC, so the H200 runs 66/39/30/22/17/15/15 clusters of 2..8, not 132/k).
+H200, graph µs, in-kernel slots, two chunks a step; shipped = split_count's table:
+
+    rows/Hq/Hkv/topk  shipped    wave (8 warps x 4 stages)   4 warps x 8 stages
+    1/64/4/2048       k8  7.72   k8  7.96                    k8  7.96
+    2/64/4/2048       k8  8.36   k8  8.73                    k8  8.69
+    3/64/4/2048       k4 10.45   k8  8.99                    k8  8.92
+    4/64/4/2048       k4 10.55   k6  9.72                    k6  9.96
+    6/64/4/2048       k4 11.86   k4 11.24                    k4 11.15
+    8/64/4/2048       k4 14.26   k3 12.97                    k3 13.55
+    12/64/4/2048      k2 17.97   k2 16.00                    k2 16.42
+    16/64/4/2048      k2 18.11   k2 16.79                    k2 17.40
+    4/32/4/2048       k4 10.31   k6  9.13                    k6  9.18
+    1/32/8/1024       k8  6.07   k8  6.24                    k8  6.40
+
+so the wave split with 8 warps of 4 stages, except where the split's grid is at most half
+a wave (rows 1-2 above), which keeps CLUSTER_PAIR_CONFIG. Selections whose splits' slots
+do not fit the in-kernel list (topk 8192 below 8 splits) keep the table (not measured).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from jit_kernels import KernelFamily, KernelSpec
 
@@ -77,6 +104,8 @@ CLUSTER_CONFIG = {128: (4, 2, 4)}
 # kernels: 10.43 / 10.51, 7.83 / 7.76, 8.72 / 8.31, 10.47 / 10.05 (rows 4, 1, 2 of G=16 and
 # rows 4 of G=8): no better, so the pairs stay, in the loop the GPU tests ran.
 CLUSTER_PAIR_CONFIG = (4, 6, 1)
+# The one-wave split's launch (wave_split, round 5 above): one CTA per SM by its shared memory.
+WAVE_CONFIG = (8, 4, 1)
 # Split-K: the CLUSTER_SIZES splits of a (row, kv head) are one thread block cluster
 # merging through distributed shared memory; a split whose share fits CLUSTER_SLOT_CAP
 # entries resolves its own slots (no slot pass: one launch a call). Round 3 (H200, G=16
@@ -88,7 +117,8 @@ CLUSTER_PAIR_CONFIG = (4, 6, 1)
 # work per split amortizes the merge). Each split keeps _MIN_CHUNKS_PER_SPLIT chunks.
 # DECODE_MIN_PROGRAMS: rows * Hkv from which one pass runs (the measured crossover; see
 # qsa.use_fp8_decode_kernel).
-CLUSTER_SIZES = (2, 4, 8)
+CLUSTER_SIZES = (2, 4, 8)  # the table's; wave_split takes any of 2..CLUSTER_MAX
+CLUSTER_MAX = 8  # the portable cluster size limit
 TMMA_MAX_GROUP = 8  # tokens as MMA rows: the group fills the MMA's 8 columns
 CLUSTER_SLOT_CAP = 1024
 DECODE_MIN_PROGRAMS = 2048
@@ -136,6 +166,8 @@ cluster_family = kernel_family(
 
 Config = tuple[int, int, int]  # (num_warps, num_stages, min_ctas)
 Plan = tuple[KernelFamily, tuple]  # a family and its parameters
+# cluster size -> clusters of WAVE_CONFIG CTAs the device runs at once (qsa.wave_clusters)
+Clusters = Callable[[int], int]
 
 
 def decode_smem_bytes(
@@ -163,6 +195,38 @@ def split_count(rows: int, num_kv_heads: int, topk: int) -> int:
     while k > 1 and -(-topk // CHUNK) < k * _MIN_CHUNKS_PER_SPLIT:
         k //= 2
     return k
+
+
+def wave_smem_bytes(cluster: int) -> int:
+    """Shared memory of a WAVE_CONFIG launch of ``cluster`` splits (in-kernel slots)."""
+    return decode_smem_bytes(128, WAVE_CONFIG, cluster, CLUSTER_SLOT_CAP, False)
+
+
+def wave_split(pairs: int, head_dim: int, topk: int, clusters: Clusters) -> int:
+    """The most splits (2..CLUSTER_MAX) whose clusters for ``pairs`` (row, kv head) pairs all
+    run at once with one CTA per SM, each split keeping _MIN_CHUNKS_PER_SPLIT chunks and its
+    slots in the kernel; 0 where none does (or D != 128: two chunks a step need it)."""
+    if head_dim != 128:
+        return 0
+    for k in range(CLUSTER_MAX, 1, -1):
+        enough = -(-topk // CHUNK) >= k * _MIN_CHUNKS_PER_SPLIT
+        if enough and fused_fits(topk, k) and pairs <= clusters(k):
+            return k
+    return 0
+
+
+def launch_split(
+    rows: int, num_kv_heads: int, topk: int, head_dim: int, sms: int, clusters: Clusters
+) -> tuple[int, Config | None, bool | None]:
+    """The dispatcher's (splits, config, pair) for a call it splits (below the single pass's
+    crossover): the one-wave split where there is one (CLUSTER_PAIR_CONFIG when its grid is
+    at most half a wave, else WAVE_CONFIG; two chunks a step), else split_count's table
+    with gather_choice's rule (config and pair None)."""
+    pairs = max(1, rows * num_kv_heads)
+    k = wave_split(pairs, head_dim, topk, clusters) if pairs < DECODE_MIN_PROGRAMS else 0
+    if k:
+        return k, CLUSTER_PAIR_CONFIG if 2 * pairs * k <= sms else WAVE_CONFIG, True
+    return split_count(rows, num_kv_heads, topk), None, None
 
 
 def fused_fits(topk: int, num_splits: int) -> bool:
@@ -276,23 +340,26 @@ def dispatch_plans(
     bulk_ok: bool,
     sms: int,
     entries: int,
+    clusters: Clusters,
     tmma: bool = False,
     lean: bool = False,
 ) -> list[Plan]:
     """Every kernel the dispatcher and the single-pass function launch for calls of this
     geometry, whatever their row count: the single pass (its loop form as ``tmma`` and
     ``lean`` flip it) with its ordered slot pass, and the cluster split-K of each row count
-    below DECODE_MIN_PROGRAMS / Hkv."""
+    below DECODE_MIN_PROGRAMS / Hkv (``clusters``: the device's, see launch_split)."""
     single = default_config(head_dim, 0, bulk_ok)
     plans = [slot_plan(page_size, True, entries)]
     plans.append(decode_plan(group, head_dim, 0, False, bulk_ok, single, tmma, lean))
     for rows in range(1, -(-DECODE_MIN_PROGRAMS // num_kv_heads)):
-        splits = split_count(rows, num_kv_heads, topk) if topk else 1
+        if not topk:
+            break  # nothing to split: the single pass serves every row count
+        splits, config, pair = launch_split(rows, num_kv_heads, topk, head_dim, sms, clusters)
         if splits == 1:
             continue
         fused = fused_fits(topk, splits)
         grid = rows * num_kv_heads * splits
-        bulk, config, pair = gather_choice(head_dim, splits, grid, sms, bulk_ok)
+        bulk, config, pair = gather_choice(head_dim, splits, grid, sms, bulk_ok, None, config, pair)
         if not fused:
             plans.append(slot_plan(page_size, False, entries))
         plans.append(decode_plan(group, head_dim, splits, fused, bulk, config, pair=pair))
@@ -316,4 +383,8 @@ def all_specs(
                 if pairs_apply(head_dim, cluster, bulk):  # small grids take it
                     pairs = (cluster, fused, False, CLUSTER_PAIR_CONFIG)
                     plans.append(decode_plan(group, head_dim, *pairs, pair=True))
-    return [family.spec(params) for family, params in plans]
+    # The one-wave splits (launch_split): any cluster size, as the device's GPCs decide.
+    for cluster in range(2, CLUSTER_MAX + 1) if pairs_apply(head_dim, 2, False) else ():
+        for config in (CLUSTER_PAIR_CONFIG, WAVE_CONFIG):
+            plans.append(decode_plan(group, head_dim, cluster, True, False, config, pair=True))
+    return [family.spec(params) for family, params in list(dict.fromkeys(plans))]

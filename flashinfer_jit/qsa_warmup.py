@@ -67,6 +67,7 @@ def warmup_qsa_fp8_decode(
         qsa._bulk_ok(k_cache, v_cache, device),
         sm_count(device),
         qsa.SLOT_ENTRIES_PER_THREAD,
+        qsa.wave_clusters(device),
         qsa.TMMA,
         qsa.LEAN_LOOP,
     )

@@ -18,6 +18,7 @@ from .compile import CompiledKernel, CompileError, compile_cubin, nvrtc_version
 from .dispatch import FallbackError, fall_back, kernels_disabled, validate_inputs
 from .family import KernelFamily, KernelUnavailable
 from .launch import ArgPacker, LaunchError, LoadedKernel, current_stream
+from .occupancy import max_active_clusters
 from .render import RenderedSource, render
 from .spec import KernelSpec
 
@@ -44,6 +45,7 @@ __all__ = [
     "device_arch",
     "fall_back",
     "kernels_disabled",
+    "max_active_clusters",
     "nvrtc_version",
     "prebuilt_roots",
     "render",

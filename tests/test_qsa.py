@@ -316,23 +316,25 @@ def test_gate_and_warmup_on_cpu():
 
 
 def test_split_count_and_specs():
-    """The measured split rule (qsa_kernels.split_count) and what prebuild covers."""
-    assert [qsa.split_count(r, 4, 2048) for r in (1, 2)] == [8, 8]  # rows * Hkv <= 8
-    assert [qsa.split_count(r, 4, 2048) for r in (4, 8)] == [4, 4]  # <= 32
-    assert [qsa.split_count(r, 4, 2048) for r in (16, 32, 64, 128, 256)] == [2] * 5
-    assert qsa.split_count(512, 4, 2048) == 1  # rows * Hkv = 2048: the single pass
-    assert [qsa.split_count(r, 8, 4096) for r in (2, 4, 16, 32)] == [8, 4, 4, 2]
-    assert [qsa.split_count(r, 4, 8192) for r in (16, 32, 64)] == [8, 4, 2]
-    assert qsa.split_count(4, 4, 100) == 1  # too few chunks to split
-    assert qsa.split_count(4, 4, 256) == 2
-    assert qsa.split_count(qk.DECODE_MIN_PROGRAMS, 1, 2048) == 1
+    """The measured split table (qsa_kernels.split_count: beyond the one-wave splits) and
+    what prebuild covers."""
+    assert [qk.split_count(r, 4, 2048) for r in (1, 2)] == [8, 8]  # rows * Hkv <= 8
+    assert [qk.split_count(r, 4, 2048) for r in (4, 8)] == [4, 4]  # <= 32
+    assert [qk.split_count(r, 4, 2048) for r in (16, 32, 64, 128, 256)] == [2] * 5
+    assert qk.split_count(512, 4, 2048) == 1  # rows * Hkv = 2048: the single pass
+    assert [qk.split_count(r, 8, 4096) for r in (2, 4, 16, 32)] == [8, 4, 4, 2]
+    assert [qk.split_count(r, 4, 8192) for r in (16, 32, 64)] == [8, 4, 2]
+    assert qk.split_count(4, 4, 100) == 1  # too few chunks to split
+    assert qk.split_count(4, 4, 256) == 2
+    assert qk.split_count(qk.DECODE_MIN_PROGRAMS, 1, 2048) == 1
     assert not use_fp8_decode_kernel(qk.DECODE_MIN_PROGRAMS - 1, torch.uint8)
     assert qk.fused_fits(2048, 2) and not qk.fused_fits(4096, 2) and not qk.fused_fits(0, 2)
     specs = qk.all_specs(16, 128, 64, 1)
     assert {s.family for s in specs} == {"qsa_slots", "qsa_decode", "qsa_decode_cluster"}
     clusters = {s.label for s in specs if s.family == "qsa_decode_cluster"}
-    # fused or not; bulk, cp.async or cp.async two chunks a step
-    assert len(clusters) == 2 * 3 * len(qk.CLUSTER_SIZES)
+    # fused or not; bulk, cp.async or cp.async two chunks a step; and the one-wave splits
+    # (fused, two chunks a step, 2..8 CTAs at two configs; 3 of them already counted)
+    assert len(clusters) == 2 * 3 * len(qk.CLUSTER_SIZES) + 2 * 7 - 3
     assert len(qk.all_specs(16, 64, 64, 1)) == 2 + 1 + 2 * len(qk.CLUSTER_SIZES)  # no bulk
 
 

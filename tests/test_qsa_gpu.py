@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flashinfer_jit import qsa
+from flashinfer_jit import qsa_kernels as qk
 from flashinfer_jit.qsa import (
     qsa_sparse_paged_attention,
     qsa_sparse_paged_decode,
@@ -59,6 +60,36 @@ def test_gpu_cluster_split_k(shape, splits, fused, strict):
         make_case(rows=7, device="cuda", seed=11 + splits, combined=splits % 2 == 1, **shape)
     )
     qsa._run_kernels(*args_of(case), num_splits=splits, fused=fused)
+    torch.cuda.synchronize()
+    assert_close(case["out"], ref_of(case))
+    assert (case["out"][1] == 0).all() and (case["out"][3] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", range(2, qk.CLUSTER_MAX + 1))
+@pytest.mark.parametrize("config", [qk.WAVE_CONFIG, qk.CLUSTER_PAIR_CONFIG])
+@pytest.mark.parametrize("topk, hq", [(40, 16), (77, 3), (1000, 64)])
+def test_gpu_one_wave_splits(splits, config, topk, hq, strict):
+    """The one-wave split's kernels (qsa_kernels.launch_split): every cluster size at both
+    of its configs, two chunks a step, in-kernel slots; selections shorter than a chunk per
+    split and longer than the stages hold, odd group sizes, with the hazards."""
+    case = add_hazards(
+        make_case(
+            rows=5,
+            hq=hq,
+            hkv=1 if hq % 4 else 4,
+            d=128,
+            page=64,
+            topk=topk,
+            width=-(-topk // 64) + 3,
+            num_blocks=60,
+            device="cuda",
+            seed=splits + topk,
+            combined=topk % 2 == 0,
+        )  # fmt: skip
+    )
+    case["out"].fill_(float("nan"))
+    qsa._run_kernels(*args_of(case), num_splits=splits, fused=True, config=config, pair=True)
     torch.cuda.synchronize()
     assert_close(case["out"], ref_of(case))
     assert (case["out"][1] == 0).all() and (case["out"][3] == 0).all()
@@ -348,7 +379,11 @@ def test_gpu_warmup_then_no_compile(jit_cache, strict):
         k_cache, v_cache = kv.transpose(1, 2).split(128, dim=-1)
         # topk 512, Hkv 2: rows=2 takes a fused 4-CTA cluster of cp.async gathers (16 CTAs),
         # rows=80 a fused 2-CTA cluster of bulk copies (320 CTAs: more than two waves)
-        assert qsa.split_count(2, 2, 512) == 4 and qsa.split_count(80, 2, 512) == 2
+        sms, clusters = (
+            torch.cuda.get_device_properties(0).multi_processor_count,
+            qsa.wave_clusters(0),
+        )
+        assert [qk.launch_split(r, 2, 512, 128, sms, clusters)[0] for r in (2, 80)] == [4, 2]
         for rows in (2, 80):
             case = make_case(
                 rows=rows,

@@ -20,29 +20,56 @@ from flashinfer_jit import qsa_kernels as qk
 from flashinfer_jit.qsa_ref import qsa_decode_torch
 
 from .test_qsa import add_hazards, args_of, assert_close, make_case, ref_of
-from .test_replay import FakeKernel, qsa_args, qsa_stub, stub  # noqa: F401 (fixtures)
+from .test_replay import H200_CLUSTERS, FakeKernel, qsa_args, qsa_stub, stub  # noqa: F401 (fixtures)
 
 SMS = 132  # H200
 
 
 def _launched(rows: int, hq: int, hkv: int, topk: int, combined: bool) -> tuple:
-    """(splits, bulk, config, pair) of the dispatcher on an issue-shaped call (pure rules)."""
-    splits = (
-        1 if qsa.use_fp8_decode_kernel(rows * hkv, torch.uint8) else qk.split_count(rows, hkv, topk)
-    )
+    """(splits, bulk, config, pair) of the dispatcher on an issue-shaped call (pure rules, the
+    H200's SMs and clusters)."""
+    splits, config, pair = 1, None, None
+    if not qsa.use_fp8_decode_kernel(rows * hkv, torch.uint8):
+        clusters = H200_CLUSTERS.__getitem__
+        splits, config, pair = qk.launch_split(rows, hkv, topk, 128, SMS, clusters)
     cluster = splits if splits > 1 else 0
-    return splits, *qk.gather_choice(128, cluster, rows * hkv * splits, SMS, combined)
+    grid = rows * hkv * splits
+    return splits, *qk.gather_choice(128, cluster, grid, SMS, combined, None, config, pair)
 
 
 def test_issue_calls_take_the_measured_kernels():
-    """The H200 sweep's winners (qsa_kernels docstring) on the issue's four calls."""
+    """The H200 sweeps' winners (qsa_kernels docstring) on the issue's calls and the row
+    counts of the one-wave sweep."""
     assert _launched(512, 64, 4, 2048, True) == (1, True, (4, 3, 4), False)
     assert _launched(2048, 32, 4, 1024, True) == (1, True, (4, 3, 4), False)
     assert _launched(64, 64, 4, 2048, True) == (2, True, (4, 2, 4), False)  # 512 CTAs
     assert _launched(32, 64, 4, 2048, True) == (2, False, (4, 2, 4), False)  # 256 CTAs
-    assert _launched(4, 64, 4, 2048, True) == (4, False, qk.CLUSTER_PAIR_CONFIG, True)  # 64
     assert _launched(512, 64, 4, 2048, False)[1:] == (False, (4, 3, 4), False)  # V apart
     assert _launched(64, 64, 4, 2048, False)[1:] == (False, (4, 2, 4), False)
+    # one wave, one CTA per SM: 16 clusters of 6 (17 fit, 16 of 7 or 8 would not)
+    wave, half_wave = (False, qk.WAVE_CONFIG, True), (False, qk.CLUSTER_PAIR_CONFIG, True)
+    assert _launched(4, 64, 4, 2048, True) == (6, *wave)
+    assert _launched(4, 32, 4, 2048, False) == (6, *wave)
+    assert [_launched(r, 64, 4, 2048, True)[0] for r in (3, 6, 8, 12, 16)] == [8, 4, 3, 2, 2]
+    assert _launched(1, 64, 4, 2048, True) == (8, *half_wave)  # 32 CTAs: half a wave
+    assert _launched(2, 64, 4, 2048, True) == (8, *half_wave)
+    assert _launched(17, 64, 4, 2048, True) == (2, False, (4, 2, 4), False)  # 68 > 66 pairs
+    assert _launched(4, 64, 4, 8192, True) == (8, False, (4, 2, 4), False)  # slots don't fit
+    assert _launched(4, 64, 4, 300, True)[0] == 2  # 19 chunks: two splits of 8 at most
+
+
+def test_wave_split_rule():
+    """wave_split: the most splits whose clusters all fit, within the chunk and slot bounds;
+    none off D=128 or without clusters (before sm_90)."""
+    h200 = H200_CLUSTERS.__getitem__
+    assert [qk.wave_split(p, 128, 2048, h200) for p in (8, 15, 16, 17, 30, 66, 67)] == [
+        8, 8, 6, 6, 4, 2, 0]  # fmt: skip
+    assert qk.wave_split(4, 64, 2048, h200) == 0 and qk.wave_split(4, 256, 2048, h200) == 0
+    assert qk.wave_split(4, 128, 2048, lambda k: 0) == 0
+    assert qk.wave_split(4, 128, 640, h200) == 5  # 40 chunks: 5 splits of 8
+    assert qk.wave_split(4, 128, 0, h200) == 0
+    assert qk.launch_split(qk.DECODE_MIN_PROGRAMS, 1, 2048, 128, SMS, h200) == (1, None, None)
+    assert qk.wave_smem_bytes(2) > 114 * 1024  # one CTA per SM, the rule's premise
 
 
 @pytest.mark.parametrize("config, cluster, cap, bulk", [
@@ -103,12 +130,14 @@ def test_warmup_plans_are_what_the_dispatcher_launches(monkeypatch, hq, hkv, d, 
     kernel = FakeKernel([])
     monkeypatch.setattr(qk.KernelFamily, "get", lambda f, p, device: seen.add((f, p)) or kernel)
     entries, forms = qsa.SLOT_ENTRIES_PER_THREAD, (qsa.TMMA, qsa.LEAN_LOOP)
+    clusters = H200_CLUSTERS.__getitem__
     plans = qk.dispatch_plans(
-        hq // hkv, d, 64, hkv, topk, combined and d == 128, SMS, entries, *forms
+        hq // hkv, d, 64, hkv, topk, combined and d == 128, SMS, entries, clusters, *forms
     )
     for rows in range(1, -(-qk.DECODE_MIN_PROGRAMS // hkv) + 1):
         args = qsa_args(rows=rows, hq=hq, hkv=hkv, d=d, page=64, topk=topk, combined=combined)
-        qsa._decode_launch(*list(args.values())[:8], qsa.split_count(rows, hkv, topk))
+        splits, config, pair = qk.launch_split(rows, hkv, topk, d, SMS, clusters)
+        qsa._decode_launch(*list(args.values())[:8], splits, config=config, pair=pair)
     assert seen == set(plans)
     prebuilt = {s.label for s in qk.all_specs(hq // hkv, d, 64, entries, *forms)}
     assert {f.spec(p).label for f, p in plans} <= prebuilt
@@ -138,7 +167,7 @@ def test_loop_forms_pick_their_kernel():
         qk.decode_form_family, (8, 128, *config, True, True, False))  # fmt: skip
     assert qk.decode_plan(16, 128, 0, False, True, config, tmma=True)[0] is qk.decode_family
     assert qk.decode_plan(16, 128, 0, False, True, config, lean=True)[1][-2:] == (False, True)
-    plans = qk.dispatch_plans(8, 128, 64, 4, 1024, True, SMS, 1, True, True)
+    plans = qk.dispatch_plans(8, 128, 64, 4, 1024, True, SMS, 1, H200_CLUSTERS.get, True, True)
     assert qk.decode_plan(8, 128, 0, False, True, config, True, True) in plans
     labels = {s.label for s in qk.all_specs(8, 128, 64, 1, True, False)}
     assert qk.decode_form_family.spec((8, 128, *config, True, True, False)).label in labels
@@ -208,7 +237,9 @@ def test_gpu_flips_back_to_back(monkeypatch, rows):
     monkeypatch.setattr(qsa, "SLOT_ENTRIES_PER_THREAD", 4)
     case = add_hazards(make_case(rows=rows, hq=16, hkv=4, d=128, page=64, topk=600, width=12,
                                  num_blocks=40, device="cuda", seed=rows, combined=True))  # fmt: skip
-    assert qsa.split_count(rows, 4, 600) == {3: 4, 40: 2, 512: 1}[rows]
+    split = qk.launch_split(rows, 4, 600, 128, torch.cuda.get_device_properties(0).multi_processor_count,
+                            qsa.wave_clusters(0))  # fmt: skip
+    assert split[0] == {3: 4, 40: 2, 512: 1}[rows]
     fresh = [torch.randn_like(case["q"], dtype=torch.float32).to(torch.bfloat16) for _ in range(2)]
     outs = [torch.full_like(case["out"], math.nan) for _ in fresh]
     for q, out in zip(fresh, outs, strict=True):

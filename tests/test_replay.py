@@ -13,6 +13,7 @@ import flashinfer_jit.mla_kv_pack as mkp
 import flashinfer_jit.mqa_logits as mq
 import flashinfer_jit.mqa_logits_launch as mql
 import flashinfer_jit.qsa as qsa
+import flashinfer_jit.qsa_kernels as qk
 import flashinfer_jit.qsa_launch as qsl
 from jit_kernels import KernelFamily, plan_cache
 from jit_kernels.plan_cache import PlanCache
@@ -249,6 +250,11 @@ def qsa_args(rows=3, hq=8, hkv=2, d=64, page=16, blocks=24, topk=40, combined=Fa
     )  # fmt: skip
 
 
+# Clusters of 2..8 one-CTA-per-SM CTAs the H200 runs at once (jit_kernels.max_active_clusters
+# there): what qsa.wave_clusters answers in the CPU tests.
+H200_CLUSTERS = {2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}
+
+
 @pytest.fixture
 def qsa_stub(stub, monkeypatch):
     kernel = FakeKernel(stub.launches)
@@ -257,12 +263,19 @@ def qsa_stub(stub, monkeypatch):
         monkeypatch.setattr(module, name, lambda x: 0)
     monkeypatch.setattr(qsl, "current_stream", lambda device: 0)
     monkeypatch.setattr(qsa, "sm_count", lambda device: 132)
+    monkeypatch.setattr(qsa, "wave_clusters", lambda device: H200_CLUSTERS.__getitem__)
 
     def impl(args, dispatch):  # qsa._impl's kernel branch, without its CUDA-device test
         stub.full.append(args)
-        rows, hkv, topk = args[0].shape[0], args[1].shape[2], args[3].shape[1] - 1
-        splits = qsa.split_count(rows, hkv, topk) if dispatch else 1
-        launch = qsa._decode_launch(*args[:8], splits)
+        rows, hkv, topk, d = (
+            args[0].shape[0],
+            args[1].shape[2],
+            args[3].shape[1] - 1,
+            args[0].shape[2],
+        )
+        split = qk.launch_split(rows, hkv, topk, d, 132, H200_CLUSTERS.__getitem__)
+        splits, config, pair = split if dispatch else (1, None, None)
+        launch = qsa._decode_launch(*args[:8], splits, config=config, pair=pair)
         if not launch.run(*args):
             raise ValueError("not 16-byte aligned")
         return launch

@@ -2,6 +2,7 @@
 
     python tools/bench_qsa.py [--no-sweep]            # about 1.5 minutes on the H200
     python tools/bench_qsa.py --lean                  # issue-shape k table, alternatives vs default, issue table
+    python tools/bench_qsa.py --wave                  # the one-wave split rule's sweep
     python tools/bench_qsa.py --ncu-one [--splits K]  # ONE decode launch, rows=512 (for ncu)
 
 Inputs follow the issue: D=128, page 64, valid_count uniform in [topk/2, topk] and -1 past
@@ -77,8 +78,8 @@ ALT_CLUSTER = {
     "no pdl": dict(pdl=False),
     "1 chunk": dict(pair=False),
     "cp.async": dict(bulk=False),
-    "bulk s2": dict(bulk=True, config=qk.BULK_CLUSTER),
-    "bulk s3": dict(bulk=True, config=(4, 3, 4)),
+    "bulk s2": dict(bulk=True, config=qk.BULK_CLUSTER, pair=False),
+    "bulk s3": dict(bulk=True, config=(4, 3, 4), pair=False),
 }
 _probe_family = kernel_family(
     "qsa_gather_probe",
@@ -225,6 +226,14 @@ def dispatcher(args):
     qsa.qsa_sparse_paged_attention(*args)
 
 
+def dispatch_split(rows, hkv, topk) -> tuple:
+    """The dispatcher's (splits, config, pair) on this device (D=128, uint8 cache)."""
+    if qsa.use_fp8_decode_kernel(rows * hkv, torch.uint8):
+        return 1, None, None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return qk.launch_split(rows, hkv, topk, HEAD_DIM, sms, qsa.wave_clusters(0))
+
+
 def probe_runner(sets):
     """A run(args) that gathers what the decode would (slots resolved once, outside timing)."""
     slots = {id(a): qsa._resolve_slots(a[3], a[4], a[5], a[1]) for a in sets}
@@ -278,11 +287,7 @@ def sweep_row(shape, gib, seed, with_probe, variants=VARIANTS):
         times[label] = timed(variant(splits, fused), sets, expect)
     ok = {k: v for k, v in times.items() if isinstance(v, float)}
     probe = time_graph(probe_runner(sets), sets) if with_probe else None
-    k = (
-        1
-        if qsa.use_fp8_decode_kernel(rows * hkv, torch.uint8)
-        else qsa.split_count(rows, hkv, topk)
-    )
+    k = dispatch_split(rows, hkv, topk)[0]
     best = min(ok, key=ok.get) if ok else None
     return [floor_us(sets[0]), probe, *[times.get(v[0]) for v in variants], best, k]
 
@@ -308,7 +313,7 @@ def bench_alternatives(gib) -> None:
     count. The default is timed before and after the variants (drift check); a variant
     WINS only when it beats the better default time by more than 1%."""
     print("\n== alternatives vs the shipped default (graph µs per call, same split count)")
-    labels = list(dict.fromkeys([*ALT_SINGLE, *ALT_CLUSTER]))
+    labels = list(dict.fromkeys([*ALT_SINGLE, *ALT_CLUSTER, "table"]))
     out, verdicts = [], []
     for i, shape in enumerate(ISSUE_SHAPES):
         rows, hq, hkv, topk = shape
@@ -317,13 +322,18 @@ def bench_alternatives(gib) -> None:
             sets = make_sets(*shape, n_sets_for(rows, hkv, topk), gib, seed=10 + i)
             expect = reference_of(sets[0])
             single = qsa.use_fp8_decode_kernel(rows * hkv, torch.uint8)
-            k = 1 if single else qsa.split_count(rows, hkv, topk)
-            before = timed(variant(k, None), sets, expect)
+            k, config, pair = dispatch_split(rows, hkv, topk)
+            ship = dict(config=config, pair=pair)
+            before = timed(dispatcher, sets, expect)
             times = {}
             for label, kw in (ALT_SINGLE if single else ALT_CLUSTER).items():
+                kw = {**ship, **kw}
                 run = lambda a, kw=kw, k=k: qsa._run_kernels(*a, num_splits=k, **kw)  # noqa: E731
                 times[label] = timed(run, sets, expect)
-            after = timed(variant(k, None), sets, expect)
+            if not single:  # round 4's rule: split_count's table, gather_choice's configs
+                table_k = qk.split_count(rows, hkv, topk)
+                times["table"] = timed(variant(table_k, None), sets, expect)
+            after = timed(dispatcher, sets, expect)
             base = [t for t in (before, after) if isinstance(t, float)]
             ok = {lbl: t for lbl, t in times.items() if isinstance(t, float)}
             best = min(ok, key=ok.get) if ok else None
@@ -376,6 +386,48 @@ def bench_issue(gib) -> None:
     print(table([*head, "Triton µs (FACTS)", "target µs", "verdict"], out))
 
 
+WAVE_SHAPES = [(r, 64, 4, 2048) for r in (1, 2, 3, 4, 6, 8, 12, 16)]
+WAVE_SHAPES += [(4, 32, 4, 2048), (1, 32, 8, 1024), (5, 16, 4, 640)]
+WAVE_CONFIGS = {"8w": qk.WAVE_CONFIG, "4w": (4, 8, 1)}  # both one CTA per SM (144 KB)
+
+
+def bench_wave(gib) -> None:
+    """The one-wave split rule (qsa_kernels.launch_split): the dispatcher against every split
+    count whose clusters all fit at once at one CTA per SM (this device's count), two
+    chunks a step, at the two one-CTA-per-SM configs; and the round-4 table."""
+    sizes = range(2, qk.CLUSTER_MAX + 1)
+    clusters = qsa.wave_clusters(0)
+    print("\n== one-wave splits: graph µs per call; clusters of 2..8 resident at once:")
+    print("   " + ", ".join(f"{k}: {clusters(k)}" for k in sizes))
+    out = []
+    for i, shape in enumerate(WAVE_SHAPES):
+        rows, hq, hkv, topk = shape
+        sets = make_sets(*shape, n_sets_for(rows, hkv, topk), gib, seed=20 + i)
+        expect = reference_of(sets[0])
+        k, config, _ = dispatch_split(rows, hkv, topk)
+        times = {"dispatch": timed(dispatcher, sets, expect)}
+        times["table"] = timed(variant(qk.split_count(rows, hkv, topk), None), sets, expect)
+        for splits in sizes:
+            if (
+                qk.wave_split(
+                    rows * hkv, HEAD_DIM, topk, lambda c, s=splits: clusters(c) * (c <= s)
+                )
+                != splits
+            ):
+                continue  # clusters do not all fit, too few chunks, or slots do not fit
+            for name, cfg in WAVE_CONFIGS.items():
+                run = lambda a, s=splits, c=cfg: qsa._run_kernels(  # noqa: E731
+                    *a, num_splits=s, fused=True, config=c, pair=True
+                )
+                times[f"k{splits} {name}"] = timed(run, sets, expect)
+        ok = {n: t for n, t in times.items() if isinstance(t, float)}
+        best = min(ok, key=ok.get) if ok else "-"
+        cells = "  ".join(f"{n} {fmt(t)}" for n, t in times.items())
+        out.append(f"{rows}/{hq}/{hkv}/{topk}: dispatch k{k} {config}; best {best}; {cells}")
+        del sets
+    print("\n".join(out))
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy TB/s (bytes read + written): this machine's ceiling today."""
     a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -409,6 +461,7 @@ def main() -> None:
     )
     parser.add_argument("--gib", type=float, default=6.0, help="cache pool size")
     parser.add_argument("--ncu-one", action="store_true", help="one decode launch, then exit")
+    parser.add_argument("--wave", action="store_true", help="only the one-wave split sweep")
     parser.add_argument("--splits", type=int, default=1, help="split count for --ncu-one")
     opts = parser.parse_args()
     if opts.ncu_one:
@@ -420,12 +473,16 @@ def main() -> None:
         f"copy {copy_bandwidth():.2f} TB/s (read + write)"
     )
     print(
-        f"dispatch: single pass when rows*Hkv >= {qk.DECODE_MIN_PROGRAMS}, else a cluster of "
-        f"split_count() CTAs; (warps, stages, min CTAs/SM): cp.async {qk.DECODE_CONFIG}, "
-        f"D=128 bulk copies {qk.BULK_SINGLE_PASS} single pass, {qk.BULK_CLUSTER} clusters "
-        f"(2-CTA clusters over two waves; other clusters keep cp.async, {qk.CLUSTER_CONFIG}, or "
-        f"{qk.CLUSTER_PAIR_CONFIG} two chunks a step at most half a wave)"
+        f"dispatch: single pass when rows*Hkv >= {qk.DECODE_MIN_PROGRAMS}, else a cluster "
+        f"(launch_split): the most CTAs that keep every cluster resident at once, one per SM "
+        f"({qk.WAVE_CONFIG}, or {qk.CLUSTER_PAIR_CONFIG} within half a wave; two chunks a "
+        f"step), else split_count's table; (warps, stages, min CTAs/SM): cp.async "
+        f"{qk.DECODE_CONFIG}, D=128 bulk copies {qk.BULK_SINGLE_PASS} single pass, "
+        f"{qk.BULK_CLUSTER} 2-CTA clusters over two waves, other clusters {qk.CLUSTER_CONFIG}"
     )
+    if opts.wave:
+        bench_wave(opts.gib)
+        return
     shapes, ks = list(ISSUE_SHAPES), VARIANTS_LEAN if opts.lean else VARIANTS
     sections = [(True, lambda gib: bench_splits(gib, shapes, "issue shapes", True, ks))]
     crossover = [(r, 64, 4, t) for t in (2048, 8192) for r in (16, 64, 256)]

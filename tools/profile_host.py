@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashinfer_jit.mla_kv_pack as mkp  # noqa: E402
 import flashinfer_jit.qsa as qsa  # noqa: E402
+import flashinfer_jit.qsa_kernels as qk  # noqa: E402
 from flashinfer_jit import fp8_paged_mqa_logits, padded_seq_len  # noqa: E402
 from jit_kernels import KernelFamily, LoadedKernel, native  # noqa: E402
 
@@ -127,6 +128,8 @@ def install_stub() -> None:
         "sm_count": lambda device: 132,
         "capability": lambda device: (9, 0),
         "kv_tensor_map": lambda ptr, num_blocks, block_size: bytes(128),  # MQA's TMA map
+        # the H200's clusters of 2..8 one-CTA-per-SM CTAs (QSA's one-wave split)
+        "wave_clusters": lambda device: {2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}.get,
     }
     for name, module in list(sys.modules.items()):
         if name.startswith("flashinfer_jit"):
@@ -141,10 +144,11 @@ def install_stub() -> None:
     def qsa_impl(args, dispatch):  # qsa._impl's kernel branch without its CUDA-device test
         q, k_cache, indices = args[0], args[1], args[3]
         rows, hkv, topk = q.shape[0], k_cache.shape[2], indices.shape[1] - 1
-        splits = 1
+        splits, config, pair = 1, None, None
         if dispatch and not qsa.use_fp8_decode_kernel(rows * hkv, k_cache.dtype):
-            splits = qsa.split_count(rows, hkv, topk)
-        launch = qsa._decode_launch(*args[:8], splits)
+            clusters = qsa.wave_clusters(0)
+            splits, config, pair = qk.launch_split(rows, hkv, topk, q.shape[2], 132, clusters)
+        launch = qsa._decode_launch(*args[:8], splits, config=config, pair=pair)
         launch.run(*args)
         return launch
 

@@ -1,0 +1,72 @@
+"""How many thread block clusters of a launch shape a device runs at once.
+
+A cluster's CTAs must share one GPC, so how many clusters fit at once is set by the GPCs'
+SM counts, not by ``sm_count / cluster_size`` (the H200, one CTA per SM: 15 clusters of 8,
+not 16). Dispatch rules that want a grid to finish in one wave ask here. The answer
+depends on the cluster size, threads and shared memory only, so it is read once per shape
+through an empty kernel the driver compiles from PTX (no NVRTC needed) and memoized.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .arch import capability
+from .launch import _check
+
+# An empty kernel: only its launch shape matters to the occupancy query. sm_90 is the first
+# target with clusters; the driver compiles the PTX for the device it runs on.
+_PROBE_PTX = b"""
+.version 7.8
+.target sm_90
+.address_size 64
+.visible .entry fij_cluster_probe() { ret; }
+\x00"""
+
+
+@functools.cache
+def _probe_function(device: int):
+    from cuda.bindings import driver
+
+    with torch.cuda.device(device):
+        torch.cuda.init()
+        torch.cuda.current_stream(device)  # makes the primary context current here
+        module = _check(driver.cuModuleLoadData(_PROBE_PTX), "cuModuleLoadData(cluster probe)")
+        return _check(
+            driver.cuModuleGetFunction(module, b"fij_cluster_probe"), "cuModuleGetFunction"
+        )
+
+
+@functools.cache
+def max_active_clusters(device: int, cluster_size: int, threads: int, smem_bytes: int) -> int:
+    """Clusters of ``cluster_size`` CTAs (``threads`` threads and ``smem_bytes`` of dynamic
+    shared memory each) that can be resident on ``device`` at once; 0 before sm_90 (no
+    clusters)."""
+    if capability(device) < (9, 0):
+        return 0
+    from cuda.bindings import driver
+
+    function = _probe_function(device)
+    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    with torch.cuda.device(device):
+        _check(driver.cuFuncSetAttribute(function, attribute, smem_bytes), "cuFuncSetAttribute")
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = cluster_size, 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+        config.sharedMemBytes = smem_bytes
+        dims = driver.CUlaunchAttribute()
+        dims.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        dims.value.clusterDim.x, dims.value.clusterDim.y, dims.value.clusterDim.z = (
+            cluster_size,
+            1,
+            1,
+        )
+        config.attrs, config.numAttrs = [dims], 1
+        return int(
+            _check(
+                driver.cuOccupancyMaxActiveClusters(function, config),
+                "cuOccupancyMaxActiveClusters",
+            )
+        )
