@@ -51,7 +51,6 @@ from .mqa_logits_schedule import (
 )
 from .mqa_logits_tma import (
     TMA_DIM,
-    check_pipeline,
     kv_tensor_map,
     tma_config,
     tma_family,
@@ -93,19 +92,18 @@ _logits_family = kernel_family(
 # to compare variants; stages 0 means "as many as fit" for the ring kernel. `portable`
 # (mma.sync on widened fragments, the sm_100a/sm_103a code path) is never chosen on
 # sm_90a: it exists so the H200 tests cover what the other arches run. A 4-tuple turns
-# the TMA kernel off; ("tma", warpgroups, stages, producers, qbuf, probe[, pipeline]) forces
-# that kernel's config (stages 0: as many as fit; probe 1/2/3: timing probes writing no valid
-# logits, pipeline 1: the pipelined consumer loop, opt-in; see templates/mqa_logits_tma.cuh).
+# the TMA kernel off; ("tma", warpgroups, stages, producers, qbuf, probe) forces that
+# kernel's config (stages 0: as many as fit; probe 1/2/3: the benchmark's timing probes,
+# see templates/mqa_logits_tma.cuh; they write no valid logits).
 _config_override: tuple | None = None
 _force_generic = False  # tests and the benchmark: always use the generic kernel
 
 
 def _params(next_n: int, heads: int, dim: int, block_size: int, output_dtype, epi_dtype, acc_dtype):
     """The specialization's template parameters: the dispatcher's choice (launch_config)
-    unless ``_config_override`` forces a ring/direct variant (a refused forced TMA config
-    falls back to the dispatcher's choice)."""
+    unless ``_config_override`` forces a variant."""
     n = next_n * heads
-    if _config_override is None or _config_override[0] == "tma":
+    if _config_override is None:
         warpgroups, stages, ring = launch_config(n, dim)
         portable = False
     else:
@@ -171,15 +169,13 @@ def _tma_plan(geometry, dtypes, device: int) -> tuple:
     _, next_n, heads, dim, block_size = geometry
     n = next_n * heads
     if _config_override is not None:
-        _, warpgroups, stages, producers, qbuf, probe, *pipe = _config_override
+        _, warpgroups, stages, producers, qbuf, probe = _config_override
         stages = stages or tma_stages(n, warpgroups, producers, qbuf)
         if stages < warpgroups:
             raise KernelUnavailable(f"forced TMA config {_config_override}: no ring stage fits")
-        pipeline = pipe[0] if pipe else 0
     else:
-        (warpgroups, stages, producers, qbuf), probe, pipeline = tma_config(n), 0, 0
-    check_pipeline(n, warpgroups, stages, pipeline)
-    config = (warpgroups, stages, producers, qbuf, probe, pipeline)
+        (warpgroups, stages, producers, qbuf), probe = tma_config(n), 0
+    config = (warpgroups, stages, producers, qbuf, probe)
     params = (next_n, heads, dim, block_size, *dtypes, *config)
     kernel = tma_family.get(params, device)
     smem = tma_smem_bytes(n, warpgroups, stages, qbuf)
@@ -258,7 +254,7 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
         dtypes = (dtype[out_dt], dtype[epi_dt], dtype[acc_dt])
         specs.add(_logits_family.spec(_params(*geometry, *dtypes)))
         if geometry[2] == TMA_DIM:  # sm_90a's kernel (the spec names its arch)
-            specs.add(tma_family.spec((*geometry, *dtypes, *tma_config(next_n * heads), 0, 0)))
+            specs.add(tma_family.spec((*geometry, *dtypes, *tma_config(next_n * heads), 0)))
     return sorted(specs, key=str)
 
 

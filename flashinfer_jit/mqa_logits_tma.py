@@ -37,30 +37,10 @@ tma_family = kernel_family(
         "producers",
         "qbuf",
         "probe",
-        "pipeline",
     ),
     ("P", "P", "P", "P", "q", "P", "q", "P", "P", "q", "i", "M"),
     archs=("sm_90a",),
 )
-
-
-def check_pipeline(n: int, warpgroups: int, stages: int, pipeline: int) -> None:
-    """KernelUnavailable unless ``pipeline`` (0, or 1: the software-pipelined halves of
-    templates/mqa_logits_tma.cuh) applies to next_n*num_heads = n: a half's Q rows start
-    on a whole 8-row swizzle group (n % 16 == 0), and a warpgroup holds up to two ring
-    stages at once (stages >= 2 * warpgroups, else it would wait on a stage it holds)."""
-    if pipeline not in (0, 1):
-        raise KernelUnavailable(f"TMA pipeline must be 0 or 1, got {pipeline!r}")
-    if pipeline and n % 16:
-        raise KernelUnavailable(
-            f"TMA pipeline=1 needs next_n*num_heads % 16 == 0 (the halves' Q rows start on "
-            f"8-row swizzle groups), got {n}"
-        )
-    if pipeline and stages < 2 * warpgroups:
-        raise KernelUnavailable(
-            f"TMA pipeline=1 needs at least 2 ring stages per warpgroup, got {stages} stages "
-            f"for {warpgroups} warpgroups"
-        )
 
 
 def tma_regs(n: int) -> int:

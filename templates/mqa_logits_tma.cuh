@@ -18,18 +18,6 @@
 // PROBE (benchmark only) leaves out parts to time the rest: 1 = consumers release each
 // stage untouched (the streaming alone), 2 = no epilogue (stream + MMA), 3 = no MMA
 // (stream + epilogue on unset accumulators). 0 is the kernel.
-//
-// PIPE = 1 overlaps a warpgroup's MMA with its epilogue without more accumulator
-// registers: each tile's N columns are two halves A = [0, N/2) and B = [N/2, N), each its
-// own wgmma chain and commit group (N % 16 == 0: B's Q rows start on a whole 8-row
-// swizzle group). Per tile i: wait for its stage; issue A(i); epilogue of the held tile
-// i-1's B (its MMA done) + store, releasing its stage; issue B(i); wait for A(i); its
-// epilogue into the partial sums; wait for B(i): tile i is now held. So B(i-1)'s epilogue
-// runs under A(i)'s MMA and A(i)'s under B(i)'s, and no MMA is in flight across the loop's
-// back edge (ptxas serialized the wgmmas of loops that carried one: C7514, C7517). A
-// request change, padding or the end first drains the held tile: the Q buffers change
-// with nothing in flight or held. A warpgroup holds up to two stages (STAGES >= 2 WGS).
-// The partial sums take A's column groups then B's, the order of PIPE = 0: same bits.
 #pragma once
 #include "mqa_logits_ring.cuh"
 
@@ -63,56 +51,6 @@ __device__ __forceinline__ void cp_async_wait_all() {
 __device__ __forceinline__ unsigned long long sw128_desc(unsigned addr) {
   return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
          (1ull << 62);
-}
-
-// Shared-memory loads by 32-bit shared address.
-__device__ __forceinline__ float lds_f32(unsigned addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ int4 lds_int4(unsigned addr) {
-  int4 v;
-  asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr)
-               : "memory");
-  return v;
-}
-
-// Accumulator words: f32, or half2 packed in 32 bits. Typed as the wgmma operands are, so
-// no register moves (which would read registers of an MMA in flight) sit between them.
-template <bool F16ACC>
-struct AccWord {
-  using type = float;
-};
-template <>
-struct AccWord<true> {
-  using type = unsigned;
-};
-
-// One tile's MMA over NW columns (da: the K tile, db: the first of NW Q rows), DIM/32 k
-// steps committed as one group, not waited for. acc is not cleared: k = 0 does not read it.
-template <int NW, int KSTEPS, bool SKIP, typename T>
-__device__ __forceinline__ void mma_commit(T* acc, unsigned long long da, unsigned long long db) {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-  for (int k = 0; k < KSTEPS; ++k) {
-    if constexpr (SKIP) break;
-    else WgmmaSS<NW, same_type<T, unsigned>::value>::run(acc, da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
-  }
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-// Waits until at most K of this warpgroup's committed MMA groups are pending, then pins
-// acc's registers: its reads stay after the wait.
-template <int K, typename T, int W>
-__device__ __forceinline__ void mma_wait(T (&acc)[W]) {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(K) : "memory");
-#pragma unroll
-  for (int w = 0; w < W; ++w) {
-    if constexpr (same_type<T, float>::value) asm volatile("" : "+f"(acc[w])::"memory");
-    else asm volatile("" : "+r"(acc[w])::"memory");
-  }
 }
 
 // Shared memory (bytes from a 1024-aligned base): value stages, QBUF Q buffers per consumer
@@ -158,12 +96,6 @@ struct TmaTileCopy {
   }
 };
 
-// A column count as a type (the MMA width issue_mma instantiates).
-template <int V>
-struct Cols {
-  static constexpr int value = V;
-};
-
 // Q[b] (N rows of 128 e4m3 bytes) into a SW128 buffer and its N weights, asynchronously.
 template <int N>
 __device__ __forceinline__ void issue_q(const unsigned char* __restrict__ q, const float* __restrict__ weights,
@@ -179,7 +111,7 @@ __device__ __forceinline__ void issue_q(const unsigned char* __restrict__ q, con
 }
 
 template <int NEXT_N, int HEADS, int DIM, int BLOCK, typename OutT, typename EpiT, typename AccT, int WGS, int STAGES,
-          int PRODUCERS, int QBUF, int PROBE, int PIPE>
+          int PRODUCERS, int QBUF, int PROBE>
 __global__ void __maxnreg__(reg_cap(WGS * 128 + 32 * PRODUCERS))
 paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS, 128] e4m3, contiguous
                      const unsigned char* __restrict__ kv,      // [num_blocks, BLOCK * 132] fused pool
@@ -192,13 +124,10 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   constexpr int N = NEXT_N * HEADS;
   constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
   constexpr int ACC_WORDS = F16ACC ? N / 4 : N / 2;
-  using Acc = typename AccWord<F16ACC>::type;
   using L = TmaLayout<N, WGS, STAGES, QBUF>;
   static_assert(QBUF == 1 || QBUF == 2, "one or two Q buffers per warpgroup");
   static_assert(DIM == 128, "the TMA kernel is specialized for head_dim 128 (one 128-byte swizzle row)");
   static_assert(N % 8 == 0 && N <= 256 && HEADS % 4 == 0, "unsupported geometry");
-  static_assert(PIPE == 0 || (PIPE == 1 && N % 16 == 0 && STAGES >= 2 * WGS),
-                "pipelined halves: whole 8-row Q groups, two stages per warpgroup");
   static_assert(BLOCK == 32 || BLOCK == 64 || BLOCK == 128, "block size");
   static_assert(STAGES >= 1 && STAGES % WGS == 0 && STAGES % PRODUCERS == 0,
                 "ring stages must be a multiple of the consumer warpgroups and of the producer warps");
@@ -268,37 +197,43 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
       pf_b = b;
     }
   }
-  // The MMA of columns [col0, col0 + NW) of the tile in stage s into acc (committed, not
-  // waited for). s and cur are warp-uniform but ptxas cannot tell: broadcasting the two
-  // addresses lets it build the descriptors in uniform registers (fewer instructions a
-  // tile than moving per-thread values to them for every wgmma).
-  auto issue_mma = [&](int s, Acc* acc, auto cols, int col0) {
+  // The MMA of the tile in stage s into acc (asynchronous: committed, not waited for).
+  auto issue_mma = [&](int s, unsigned (&acc)[ACC_WORDS]) {
+    // s and cur are warp-uniform but ptxas cannot tell: broadcasting the two addresses lets
+    // it build the descriptors in uniform registers (fewer instructions a tile than moving
+    // per-thread values to them for every wgmma).
     const unsigned long long da = sw128_desc(__shfl_sync(0xffffffffu, base + s * L::kVals, 0));
-    const unsigned long long db = sw128_desc(__shfl_sync(0xffffffffu, qaddr0 + cur * (N * 128) + col0 * 128, 0));
-    mma_commit<decltype(cols)::value, DIM / 32, PROBE == 3>(acc, da, db);
+    const unsigned long long db = sw128_desc(__shfl_sync(0xffffffffu, qaddr0 + cur * (N * 128), 0));
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < DIM / 32; ++k) {  // acc is not cleared: k = 0 does not read it
+      if constexpr (PROBE == 3)
+        break;
+      else if constexpr (F16ACC)
+        WgmmaSS<N, true>::run(acc, da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
+      else
+        WgmmaSS<N, false>::run(reinterpret_cast<float*>(acc), da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
   };
-  using Partials = TilePartials<NEXT_N, HEADS, EpiT, AccT>;
-  // p += the epilogue of column groups `groups` (their accumulators in acc).
-  auto weigh = [&](Partials& p, auto groups, const Acc* acc_t) {
-    const unsigned* acc = reinterpret_cast<const unsigned*>(acc_t);
+  // Tile (stage s, descriptor m) once its MMA is done: release the stage, epilogue.
+  auto finish = [&](int s, int4 m, unsigned (&acc)[ACC_WORDS]) {
+    const float* scales = reinterpret_cast<const float*>(smem + L::kScales) + s * kTile;
+    const float sc0 = scales[warp * 16 + g], sc1 = scales[warp * 16 + g + 8];
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+    for (int w = 0; w < ACC_WORDS; ++w) asm volatile("" : "+r"(acc[w])::"memory");  // read after the wait
+    release_stage(empty0 + 8 * s);
     if constexpr (PROBE == 2) {  // keep the accumulators alive without an epilogue
-      if (acc[0] == 0x7fc00001u && q_b < 0) out[0] = OutT{};
+      if (acc[0] == 0x7fc00001u && m.x < 0) out[0] = OutT{};
     } else if constexpr (WREG) {
-      p.add(groups, acc, wreg, tig);
+      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, wreg, sc0, sc1, m.x, m.y, m.z, out, out_stride, warp, g, tig);
     } else {
       const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) +
                           (wg * QBUF + cur) * LaneWeights<N>::kFloats + tig * LaneWeights<N>::kStride;
-      p.add(groups, acc, LaneWeights<N>{reinterpret_cast<const float4*>(wbuf)}, tig);
+      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, LaneWeights<N>{reinterpret_cast<const float4*>(wbuf)}, sc0, sc1, m.x, m.y, m.z, out, out_stride,
+                                                  warp, g, tig);
     }
-  };
-  // This thread's two token scales of the tile in stage s (read before its stage goes back).
-  auto scales_of = [&](int s) {
-    const float* scales = reinterpret_cast<const float*>(smem + L::kScales) + s * kTile;
-    return make_float2(scales[warp * 16 + g], scales[warp * 16 + g + 8]);
-  };
-  // Tile m's sums, reduced, scaled (sc: scales_of) and stored.
-  auto store = [&](const Partials& p, float2 sc, int4 m) {
-    if constexpr (PROBE != 2) p.store(sc.x, sc.y, m.x, m.y, m.z, out, out_stride, warp, g, tig);
   };
   // Waits for tile i and returns its descriptor (m.x >= batch: padding, already released).
   auto arrive = [&](int i) {
@@ -309,60 +244,13 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     return PROBE == 1 ? make_int4(batch, 0, 0, 0) : m;
   };
 
-  if constexpr (PIPE == 0) {
-    for (int i = wg; i < len; i += WGS) {
-      const int4 m = arrive(i);
-      if (m.x >= batch) continue;
-      if (m.x != q_b) switch_to(m.x);
-      Acc acc[ACC_WORDS];
-      issue_mma(i % STAGES, acc, Cols<N>{}, 0);
-      const float2 sc = scales_of(i % STAGES);
-      mma_wait<0>(acc);
-      release_stage(empty0 + 8 * (i % STAGES));
-      Partials p;
-      weigh(p, Groups<0, N / 8>{}, acc);
-      store(p, sc, m);
-    }
-  } else {  // the pipelined halves (see the top of the file)
-    Acc acc_a[ACC_WORDS / 2], acc_b[ACC_WORDS / 2];
-    Partials p;         // the held tile's sums over A's columns
-    bool held = false;  // tile i - WGS is held: its B landed, not yet stored
-    // The held tile's B epilogue (hs: its stage). Its descriptor is re-read from the stage
-    // (the producer rewrites it only once the stage is released): fewer registers live.
-    // Shared loads by 32-bit address off `base`: through the generic pointers ptxas keeps
-    // the shared window's base in one more vector register (a spill at next_n=4, 32 heads).
-    auto finish_held = [&](int hs) {
-      weigh(p, Groups<N / 16, N / 8>{}, acc_b);
-      const int4 hm = lds_int4(base + L::kMeta + 16 * hs);
-      const unsigned sa = base + L::kScales + (hs * kTile + warp * 16 + g) * 4;
-      const float2 sc = make_float2(lds_f32(sa), lds_f32(sa + 32));
-      release_stage(empty0 + 8 * hs);
-      store(p, sc, hm);
-      held = false;
-    };
-    // The bound is re-read from shared memory: one register fewer across the loop.
-    int i = wg;
-    for (; i < sched[2]; i += WGS) {
-      const int4 m = arrive(i);
-      const int s = i % STAGES, hs = (i - WGS + STAGES) % STAGES;
-      if (held && meta[hs].x != m.x) finish_held(hs);  // another request, or padding: drain
-      if (m.x >= batch) continue;
-      if (m.x != q_b) switch_to(m.x);  // nothing in flight or held: the Q buffers may change
-      // Nothing is in flight here; ptxas loses track across the barrier spin loops and
-      // would guard the held tile's B reads below with a wait for A(i) (C7517): this
-      // no-op wait tells it.
-      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-      issue_mma(s, acc_a, Cols<N / 2>{}, 0);
-      // Under A(i)'s MMA. Broadcast: a branch ptxas knows is warp-uniform (C7518 otherwise).
-      if (__shfl_sync(0xffffffffu, held, 0)) finish_held(hs);
-      issue_mma(s, acc_b, Cols<N / 2>{}, N / 2);
-      mma_wait<1>(acc_a);
-      p = Partials{};
-      weigh(p, Groups<0, N / 16>{}, acc_a);  // under B(i)'s MMA
-      mma_wait<0>(acc_b);
-      held = true;
-    }
-    if (held) finish_held((i - WGS) % STAGES);
+  for (int i = wg; i < len; i += WGS) {
+    const int4 m = arrive(i);
+    if (m.x >= batch) continue;
+    if (m.x != q_b) switch_to(m.x);
+    unsigned acc[ACC_WORDS];
+    issue_mma(i % STAGES, acc);
+    finish(i % STAGES, m, acc);
   }
   cp_async_wait_all();  // no cp.async may outlive the block
 }

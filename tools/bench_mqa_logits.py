@@ -1,6 +1,6 @@
 """Benchmark fp8_paged_mqa_logits on the GPU against the byte floor and DeepGEMM's figures.
 
-    python tools/bench_mqa_logits.py [--quick | --lean | --sweep | --pipe] [--reps N]
+    python tools/bench_mqa_logits.py [--quick | --lean] [--reps N]
 
 Inputs follow ../shared/FACTS.md's DeepGEMM table: head_dim 128, block 64 (plus block 32
 and 128 comparisons at two rows), seq lens uniform in [0.7 L, L], a shuffled KV pool, fp32
@@ -49,8 +49,7 @@ ROWS = [  # B, next_n, H, L, DeepGEMM us, target us (eager), target us (graph re
 # Variants: None = the dispatcher's choice (on sm_90 the TMA kernel); ("tma", warpgroups,
 # stages, producer warps, Q buffers, probe) the TMA kernel forced (stages 0 = as many as
 # fit; probe 1 = stream the tiles only, 2 = stream + MMA, 3 = stream + epilogue, no valid
-# output: what each part costs); a 7th element 1 = the pipelined consumer loop; ("auto",
-# probe) = the dispatcher's TMA config as a probe; ("auto-pipe",) = it with pipeline=1;
+# output: what each part costs); ("auto", probe) = the dispatcher's TMA config as a probe;
 # (warpgroups, stages, portable, ring) the ring/direct kernels of mqa_logits.cuh;
 # "generic" the runtime-geometry fallback kernel.
 VARIANTS = [
@@ -73,18 +72,6 @@ SWEEP_VARIANTS = [
     *(("tma", w, 0, w, qb, 0) for w, qb in ((2, 1), (3, 1), (4, 1), (4, 2))),
 ]
 BLOCK_ROWS = {(256, 1, 64, 8192), (128, 3, 64, 16384)}  # rows compared at blocks 32/128
-# --pipe: the dispatcher's TMA config with and without the pipelined consumer loop.
-PIPE_ROWS = [
-    (64, 2, 64, 65536),
-    (128, 3, 64, 16384),
-    (256, 2, 64, 8192),
-    (256, 1, 64, 8192),
-    (64, 1, 64, 65536),
-    (256, 1, 32, 8192),
-    (128, 4, 32, 16384),
-    (32, 1, 64, 8192),
-]
-PIPE_VARIANTS = [None, ("auto-pipe",)]
 
 
 def vname(v) -> str:
@@ -92,12 +79,9 @@ def vname(v) -> str:
         return v or "auto"
     if v[0] == "auto":
         return f"auto-probe{v[1]}"
-    if v[0] == "auto-pipe":
-        return v[0]
     if v[0] == "tma":
         kind = f"probe{v[5]}-" if v[5] else "tma"
-        pipe = "-pipe" if v[6:] and v[6] else ""
-        return f"{kind}{v[1]}x{v[2] or 'max'}p{v[3]}q{v[4]}{pipe}"
+        return f"{kind}{v[1]}x{v[2] or 'max'}p{v[3]}q{v[4]}"
     kind = "ring" if v[3] else "direct"
     return f"{kind}{'-mma' if v[2] else ''}{v[0]}x{v[1] or 'max'}"
 
@@ -237,10 +221,11 @@ def run_row(batch, next_n, heads, length, block, reps, variants, gen, graph=Fals
         mq._config_override, mq._force_generic = (None, True) if v == "generic" else (v, False)
         if isinstance(v, tuple) and v[0] == "auto":  # the dispatcher's TMA config, as a probe
             mq._config_override = ("tma", *tma_config(next_n * heads), v[1])
-        if isinstance(v, tuple) and v[0] == "auto-pipe":  # ... with the pipelined loop
-            mq._config_override = ("tma", *tma_config(next_n * heads), 0, 1)
         try:
-            if isinstance(v, tuple) and v[0] not in ("tma", "auto", "auto-pipe"):  # can it fit?
+            if isinstance(v, tuple) and v[0] not in (
+                "tma",
+                "auto",
+            ):  # a forced config that cannot fit
                 f32 = torch.float32
                 mq._params(next_n, heads, D, block, f32, f32, f32)
             q, kv, w, table, lens = sets[0]
@@ -310,25 +295,21 @@ def pool_probe(reps: int) -> None:
         print(f"| {pool} | {name} | {t:.1f} |")
 
 
-def sweep(reps: int, rows=ROWS, variants=SWEEP_VARIANTS, title="TMA config sweep") -> None:
-    """Each row's variants, checked against the float64 reference (probes excepted) and
-    timed as CUDA-graph replays; a table with the last variant's speedup over the first."""
+def sweep(reps: int) -> None:
     warm_gpu()
     gen = torch.Generator().manual_seed(0)
-    names = [vname(v) for v in variants]
+    names = [vname(v) for v in SWEEP_VARIANTS]
     table = []
-    for batch, next_n, heads, length, *_ in rows:
-        sets, res = run_row(batch, next_n, heads, length, 64, reps, variants, gen, graph=True)
+    for batch, next_n, heads, length, *_ in ROWS:
+        sets, res = run_row(batch, next_n, heads, length, 64, reps, SWEEP_VARIANTS, gen, graph=True)
         table.append((batch, next_n, heads, length, floor_us(sets, next_n), res))
         del sets
         torch.cuda.empty_cache()
-    print(f"\n{title}, CUDA-graph replay us (block 64):")
-    print(f"| B | next_n | H | L | floor | {' | '.join(names)} | {names[0]}/{names[-1]} |")
+    print("\nTMA config sweep, CUDA-graph replay us (block 64):")
+    print("| B | next_n | H | L | floor | " + " | ".join(names) + " |")
     for batch, next_n, heads, length, floor, res in table:
         cells = " | ".join("-" if res.get(n) is None else f"{res[n]:.1f}" for n in names)
-        first, last = res.get(names[0]), res.get(names[-1])
-        ratio = f"{first / last:.2f}" if first and last else "-"
-        print(f"| {batch} | {next_n} | {heads} | {length} | {floor:.1f} | {cells} | {ratio} |")
+        print(f"| {batch} | {next_n} | {heads} | {length} | {floor:.1f} | {cells} |")
 
 
 def main() -> None:
@@ -348,14 +329,9 @@ def main() -> None:
         action="store_true",
         help="the TMA kernel's config grid, timed as CUDA-graph replays (kernel time, no host)",
     )
-    parser.add_argument(
-        "--pipe",
-        action="store_true",
-        help="the dispatcher's TMA config against it with the pipelined consumer loop (graph us)",
-    )
     args = parser.parse_args()
-    if args.sweep or args.pipe:
-        sweep(args.reps, *((PIPE_ROWS, PIPE_VARIANTS, "TMA pipeline=1") if args.pipe else ()))
+    if args.sweep:
+        sweep(args.reps)
         return
     if args.pool_probe:
         pool_probe(args.reps)
