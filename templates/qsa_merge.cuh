@@ -13,6 +13,33 @@ __device__ __forceinline__ float4 unswizzle4(const float4& u, int x) {
   return (x & 2) ? make_float4(a.z, a.w, a.x, a.y) : a;
 }
 
+// Combines S partials (max, sum, acc) of one 8-dim piece into a[8] and returns (the largest
+// max, the combined sum): each partial weighted by 2^(its max - the largest), an all -inf
+// set (nothing attended) by 1, so its zero sums stay zero. ml(s) is partial s's (max, sum),
+// piece(s, u, v) loads its 8 accumulators.
+template <int S, typename ML, typename Piece>
+__device__ __forceinline__ float2 combine_partials(ML ml, Piece piece, float (&a)[8]) {
+  const float neg_inf = __int_as_float(0xff800000);
+  float mmax = neg_inf;
+#pragma unroll
+  for (int s = 0; s < S; ++s) mmax = fmaxf(mmax, ml(s).x);
+  const float base = mmax == neg_inf ? 0.f : mmax;
+  float denom = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) a[i] = 0.f;
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    const float2 p = ml(s);
+    const float w = ex2(p.x - base);
+    denom += p.y * w;
+    float4 u, v;
+    piece(s, u, v);
+    a[0] += u.x * w; a[1] += u.y * w; a[2] += u.z * w; a[3] += u.w * w;
+    a[4] += v.x * w; a[5] += v.y * w; a[6] += v.z * w; a[7] += v.w * w;
+  }
+  return make_float2(mmax, denom);
+}
+
 // The owner's merge, after the pushes landed: rank r combines its items from its inbox
 // and writes the gated output; out/gate point at the kv head's first query head. GATE_PRE:
 // gpre already holds the gate of this thread's only item (loaded at kernel start).
@@ -23,24 +50,18 @@ __device__ __forceinline__ void owner_merge(const float* inbox, fij::bf16_t* out
   constexpr int PIECES = HEAD_DIM / 8, ITEMS = inbox_items<HEAD_DIM, CLUSTER>();
   static_assert(!GATE_PRE || GROUP * PIECES <= CLUSTER * THREADS, "one item a thread");
   const float* const iml = inbox + CLUSTER * ITEMS * 8;
-  const float neg_inf = __int_as_float(0xff800000);
   const int rank = cluster_rank();
   for (int li = threadIdx.x; li * CLUSTER + rank < GROUP * PIECES; li += THREADS) {
     const int item = li * CLUSTER + rank, h = item / PIECES, c = item - h * PIECES;
-    float mmax = neg_inf;
-#pragma unroll
-    for (int s = 0; s < CLUSTER; ++s) mmax = fmaxf(mmax, iml[(s * 16 + h) * 2]);
-    const float base = mmax == neg_inf ? 0.f : mmax;
-    float denom = 0.f, a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int s = 0; s < CLUSTER; ++s) {
-      const float w = ex2(iml[(s * 16 + h) * 2] - base);
-      denom += iml[(s * 16 + h) * 2 + 1] * w;
-      const float4* src = reinterpret_cast<const float4*>(inbox + (s * ITEMS + li) * 8);
-      const float4 u = src[0], v = src[1];
-      a[0] += u.x * w; a[1] += u.y * w; a[2] += u.z * w; a[3] += u.w * w;
-      a[4] += v.x * w; a[5] += v.y * w; a[6] += v.z * w; a[7] += v.w * w;
-    }
+    float a[8];
+    const float denom = combine_partials<CLUSTER>(
+        [&](int s) { return reinterpret_cast<const float2*>(iml)[s * 16 + h]; },
+        [&](int s, float4& u, float4& v) {
+          const float4* src = reinterpret_cast<const float4*>(inbox + (s * ITEMS + li) * 8);
+          u = src[0];
+          v = src[1];
+        },
+        a).y;
     if constexpr (GATE_PRE) store_gated_value(out + h * out_head + 8 * c, gpre, a, denom, output_scale);
     else store_gated(out + h * out_head + 8 * c, gate + h * gate_head + 8 * c, a, denom, output_scale);
   }
@@ -71,7 +92,6 @@ __device__ __forceinline__ void merge_and_store(float* red, float* inbox,
   // It permutes within aligned groups of 4 floats, so the merge's float4 reads stay whole.
   auto swz = [](int d) { return d ^ ((d >> 5) & 3); };
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const float neg_inf = __int_as_float(0xff800000);
   float* const red_ml = red + NUM_WARPS * 16 * RR;
   {
     float* const mine = red + warp * 16 * RR;
@@ -110,20 +130,16 @@ __device__ __forceinline__ void merge_and_store(float* red, float* inbox,
   if constexpr (CLUSTER > 0) cluster_wait();
   for (int item = threadIdx.x; item < GROUP * PIECES; item += THREADS) {
     const int h = item / PIECES, c = item - h * PIECES;
-    float mmax = neg_inf;
-#pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) mmax = fmaxf(mmax, red_ml[(w * 16 + h) * 2]);
-    const float base = mmax == neg_inf ? 0.f : mmax;
-    float denom = 0.f, a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) {
-      const float sc = ex2(red_ml[(w * 16 + h) * 2] - base);
-      denom += red_ml[(w * 16 + h) * 2 + 1] * sc;
-      const float4* src = reinterpret_cast<const float4*>(red + (w * 16 + h) * RR + 8 * c);
-      const float4 u = unswizzle4(src[0], (c >> 2) & 3), v = unswizzle4(src[1], (c >> 2) & 3);
-      a[0] += u.x * sc; a[1] += u.y * sc; a[2] += u.z * sc; a[3] += u.w * sc;
-      a[4] += v.x * sc; a[5] += v.y * sc; a[6] += v.z * sc; a[7] += v.w * sc;
-    }
+    float a[8];
+    const float2 md = combine_partials<NUM_WARPS>(
+        [&](int w) { return reinterpret_cast<const float2*>(red_ml)[w * 16 + h]; },
+        [&](int w, float4& u, float4& v) {
+          const float4* src = reinterpret_cast<const float4*>(red + (w * 16 + h) * RR + 8 * c);
+          u = unswizzle4(src[0], (c >> 2) & 3);
+          v = unswizzle4(src[1], (c >> 2) & 3);
+        },
+        a);
+    const float mmax = md.x, denom = md.y;
     if constexpr (CLUSTER > 0) {
       const unsigned owner = item % CLUSTER;
       const unsigned dst = peer_addr(inbox + (rank * ITEMS + item / CLUSTER) * 8, owner);
