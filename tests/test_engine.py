@@ -303,3 +303,15 @@ def test_cache_verify_reports_bad_entries(tmp_path, monkeypatch):
     cubin.write_bytes(b"\x7fELF garbage")
     bad = subprocess.run(run, cwd=REPO, env=env, capture_output=True, text=True)
     assert bad.returncode == 1 and "1 bad" in bad.stdout
+
+
+def test_max_active_clusters_before_sm90_is_zero(monkeypatch):
+    """No clusters before sm_90: the answer is 0 without loading anything on the device (the
+    QSA one-wave split then keeps its table)."""
+    from jit_kernels import occupancy
+
+    occupancy.max_active_clusters.cache_clear()
+    monkeypatch.setattr(occupancy, "capability", lambda device: (8, 9))
+    monkeypatch.setattr(occupancy, "_probe_function", lambda device: pytest.fail("loaded"))
+    assert occupancy.max_active_clusters(0, 4, 256, 144 * 1024) == 0
+    occupancy.max_active_clusters.cache_clear()
