@@ -10,6 +10,7 @@ through an empty kernel the driver compiles from PTX (no NVRTC needed) and memoi
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -24,6 +25,8 @@ _PROBE_PTX = b"""
 .address_size 64
 .visible .entry fij_cluster_probe() { ret; }
 \x00"""
+# The probe's shared-memory attribute is set per query: one query at a time.
+_query_lock = threading.Lock()
 
 
 @functools.cache
@@ -50,7 +53,7 @@ def max_active_clusters(device: int, cluster_size: int, threads: int, smem_bytes
 
     function = _probe_function(device)
     attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    with torch.cuda.device(device):
+    with _query_lock, torch.cuda.device(device):
         _check(driver.cuFuncSetAttribute(function, attribute, smem_bytes), "cuFuncSetAttribute")
         config = driver.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = cluster_size, 1, 1
