@@ -235,6 +235,17 @@ def wave_clusters(device: int) -> Clusters:
     return lambda k: max_active_clusters(device, k, threads, wave_smem_bytes(k))
 
 
+def dispatch_split(
+    rows: int, num_kv_heads: int, topk: int, head_dim: int, cache_dtype: torch.dtype, device: int
+) -> tuple[int, tuple[int, int, int] | None, bool | None]:
+    """The dispatcher's (splits, config, pair) for a call: 1 split (the single pass) from
+    the crossover on, else qsa_kernels.launch_split on this device's SMs and clusters."""
+    if use_fp8_decode_kernel(rows * num_kv_heads, cache_dtype):
+        return 1, None, None
+    sms, clusters = sm_count(device), wave_clusters(device)
+    return launch_split(rows, num_kv_heads, topk, head_dim, sms, clusters)
+
+
 def use_fp8_decode_kernel(base_programs: int, cache_dtype: torch.dtype) -> bool:
     """Whether a call with ``base_programs = rows * num_kv_heads`` takes the single pass.
 
@@ -261,10 +272,9 @@ def _impl(args: tuple, dispatch: bool) -> DecodeLaunch | None:
         if reason is None:
             rows, num_kv_heads, topk = q.shape[0], k_cache.shape[2], logical_indices.shape[1] - 1
             splits, config, pair = 1, None, None
-            if dispatch and not use_fp8_decode_kernel(rows * num_kv_heads, k_cache.dtype):
-                device = cuda_device_index(q)
-                splits, config, pair = launch_split(
-                    rows, num_kv_heads, topk, q.shape[2], sm_count(device), wave_clusters(device)
+            if dispatch:
+                splits, config, pair = dispatch_split(
+                    rows, num_kv_heads, topk, q.shape[2], k_cache.dtype, cuda_device_index(q)
                 )
             try:
                 launch = _decode_launch(*args[:8], splits, config=config, pair=pair)

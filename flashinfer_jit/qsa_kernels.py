@@ -168,6 +168,9 @@ Config = tuple[int, int, int]  # (num_warps, num_stages, min_ctas)
 Plan = tuple[KernelFamily, tuple]  # a family and its parameters
 # cluster size -> clusters of WAVE_CONFIG CTAs the device runs at once (qsa.wave_clusters)
 Clusters = Callable[[int], int]
+# What jit_kernels.max_active_clusters answers on the H200 for WAVE_CONFIG launches of 2..8
+# CTAs (measured): the device-free stand-in of the CPU tests and tools/profile_host.py --stub.
+H200_WAVE_CLUSTERS = {2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}
 
 
 def decode_smem_bytes(
@@ -202,17 +205,20 @@ def wave_smem_bytes(cluster: int) -> int:
     return decode_smem_bytes(128, WAVE_CONFIG, cluster, CLUSTER_SLOT_CAP, False)
 
 
+def wave_fits(pairs: int, topk: int, splits: int, clusters: Clusters) -> bool:
+    """Whether ``splits`` CTAs per (row, kv head) qualify for the one-wave launch: the
+    clusters of ``pairs`` pairs all run at once with one CTA per SM, and each split keeps
+    _MIN_CHUNKS_PER_SPLIT chunks and its slots in the kernel."""
+    enough = -(-topk // CHUNK) >= splits * _MIN_CHUNKS_PER_SPLIT
+    return enough and fused_fits(topk, splits) and pairs <= clusters(splits)
+
+
 def wave_split(pairs: int, head_dim: int, topk: int, clusters: Clusters) -> int:
-    """The most splits (2..CLUSTER_MAX) whose clusters for ``pairs`` (row, kv head) pairs all
-    run at once with one CTA per SM, each split keeping _MIN_CHUNKS_PER_SPLIT chunks and its
-    slots in the kernel; 0 where none does (or D != 128: two chunks a step need it)."""
+    """The most splits (2..CLUSTER_MAX) that ``wave_fits``; 0 where none does (or D != 128:
+    two chunks a step need it)."""
     if head_dim != 128:
         return 0
-    for k in range(CLUSTER_MAX, 1, -1):
-        enough = -(-topk // CHUNK) >= k * _MIN_CHUNKS_PER_SPLIT
-        if enough and fused_fits(topk, k) and pairs <= clusters(k):
-            return k
-    return 0
+    return next((k for k in range(CLUSTER_MAX, 1, -1) if wave_fits(pairs, topk, k, clusters)), 0)
 
 
 def launch_split(
@@ -351,9 +357,9 @@ def dispatch_plans(
     single = default_config(head_dim, 0, bulk_ok)
     plans = [slot_plan(page_size, True, entries)]
     plans.append(decode_plan(group, head_dim, 0, False, bulk_ok, single, tmma, lean))
+    if not topk:
+        return plans  # nothing to split: the single pass serves every row count
     for rows in range(1, -(-DECODE_MIN_PROGRAMS // num_kv_heads)):
-        if not topk:
-            break  # nothing to split: the single pass serves every row count
         splits, config, pair = launch_split(rows, num_kv_heads, topk, head_dim, sms, clusters)
         if splits == 1:
             continue

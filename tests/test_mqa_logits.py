@@ -187,15 +187,16 @@ def test_cpu_strided_tables_and_lens():
         assert torch.equal(a[row, : len(ref[row][0])], b[row, : len(ref[row][0])])
 
 
-@pytest.mark.parametrize(
-    "dtypes,rtol",
-    [
-        ((torch.float16, torch.float32, torch.float32), 2e-3),
-        ((torch.float32, torch.float16, torch.float32), 2e-2),
-        ((torch.float32, torch.float32, torch.float16), 2e-2),
-        ((torch.float16, torch.float16, torch.float16), 3e-2),
-    ],
-)
+# (output, epilogue, accumulator) dtypes and the relative tolerance each is checked to.
+DTYPE_TOLERANCES = [
+    ((torch.float16, torch.float32, torch.float32), 2e-3),
+    ((torch.float32, torch.float16, torch.float32), 2e-2),
+    ((torch.float32, torch.float32, torch.float16), 2e-2),
+    ((torch.float16, torch.float16, torch.float16), 3e-2),
+]
+
+
+@pytest.mark.parametrize("dtypes,rtol", DTYPE_TOLERANCES)
 def test_cpu_half_precision(dtypes, rtol):
     run_and_check([1, 77, 300], next_n=2, heads=32, dtypes=dtypes, rtol=rtol)
 

@@ -16,6 +16,7 @@ from flashinfer_jit.mqa_logits import (
 
 from .test_mqa_logits import (
     BAD_BLOCK,
+    DTYPE_TOLERANCES,
     E4M3,
     EDGE_LENS,
     assert_close,
@@ -64,15 +65,7 @@ def test_gpu_matches_reference(variant, next_n, heads, block_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["auto", "portable", "generic"], indirect=True)
-@pytest.mark.parametrize(
-    "dtypes,rtol",
-    [
-        ((torch.float16, torch.float32, torch.float32), 2e-3),
-        ((torch.float32, torch.float16, torch.float32), 2e-2),
-        ((torch.float32, torch.float32, torch.float16), 2e-2),
-        ((torch.float16, torch.float16, torch.float16), 3e-2),
-    ],
-)
+@pytest.mark.parametrize("dtypes,rtol", DTYPE_TOLERANCES)
 def test_gpu_half_precision(variant, dtypes, rtol):
     run_and_check([1, 77, 300, 64, 0], device="cuda", next_n=2, heads=32, dtypes=dtypes, rtol=rtol)
 

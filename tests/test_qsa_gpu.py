@@ -73,23 +73,20 @@ def test_gpu_one_wave_splits(splits, config, topk, hq, strict):
     """The one-wave split's kernels (qsa_kernels.launch_split): every cluster size at both
     of its configs, two chunks a step, in-kernel slots; selections shorter than a chunk per
     split and longer than the stages hold, odd group sizes, with the hazards."""
+    overrides = dict(fused=True, config=config, pair=True)
+    _check_launch(rows=5, hq=hq, hkv=1 if hq % 4 else 4, topk=topk, splits=splits, **overrides)
+
+
+def _check_launch(rows, hq, hkv, topk, splits, **overrides):
+    """``_run_kernels`` with ``overrides`` on a D=128, page-64 case with the hazards (the
+    combined cache at even topk) into a NaN-poisoned out, against the reference; rows 1
+    and 3 (a zero count, a bad request) must be all zeros."""
     case = add_hazards(
-        make_case(
-            rows=5,
-            hq=hq,
-            hkv=1 if hq % 4 else 4,
-            d=128,
-            page=64,
-            topk=topk,
-            width=-(-topk // 64) + 3,
-            num_blocks=60,
-            device="cuda",
-            seed=splits + topk,
-            combined=topk % 2 == 0,
-        )  # fmt: skip
-    )
+        make_case(rows=rows, hq=hq, hkv=hkv, d=128, page=64, topk=topk, width=-(-topk // 64) + 3,
+                  num_blocks=60, device="cuda", seed=topk + splits, combined=topk % 2 == 0)
+    )  # fmt: skip
     case["out"].fill_(float("nan"))
-    qsa._run_kernels(*args_of(case), num_splits=splits, fused=True, config=config, pair=True)
+    qsa._run_kernels(*args_of(case), num_splits=splits, **overrides)
     torch.cuda.synchronize()
     assert_close(case["out"], ref_of(case))
     assert (case["out"][1] == 0).all() and (case["out"][3] == 0).all()
@@ -123,26 +120,7 @@ def test_gpu_opt_in_variants(variant, topk, hq, hkv, strict):
     splits, overrides = variant
     if overrides.get("bulk") and topk % 2:
         pytest.skip("bulk copies need the combined cache")
-    case = add_hazards(
-        make_case(
-            rows=9,
-            hq=hq,
-            hkv=hkv,
-            d=128,
-            page=64,
-            topk=topk,
-            width=-(-topk // 64) + 3,
-            num_blocks=60,
-            device="cuda",
-            seed=topk + splits,
-            combined=topk % 2 == 0,
-        )
-    )
-    case["out"].fill_(float("nan"))
-    qsa._run_kernels(*args_of(case), num_splits=splits, **overrides)
-    torch.cuda.synchronize()
-    assert_close(case["out"], ref_of(case))
-    assert (case["out"][1] == 0).all() and (case["out"][3] == 0).all()
+    _check_launch(rows=9, hq=hq, hkv=hkv, topk=topk, splits=splits, **overrides)
 
 
 @pytest.mark.gpu
@@ -379,11 +357,7 @@ def test_gpu_warmup_then_no_compile(jit_cache, strict):
         k_cache, v_cache = kv.transpose(1, 2).split(128, dim=-1)
         # topk 512, Hkv 2: rows=2 takes a fused 4-CTA cluster of cp.async gathers (16 CTAs),
         # rows=80 a fused 2-CTA cluster of bulk copies (320 CTAs: more than two waves)
-        sms, clusters = (
-            torch.cuda.get_device_properties(0).multi_processor_count,
-            qsa.wave_clusters(0),
-        )
-        assert [qk.launch_split(r, 2, 512, 128, sms, clusters)[0] for r in (2, 80)] == [4, 2]
+        assert [qsa.dispatch_split(r, 2, 512, 128, torch.uint8, 0)[0] for r in (2, 80)] == [4, 2]
         for rows in (2, 80):
             case = make_case(
                 rows=rows,

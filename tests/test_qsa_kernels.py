@@ -20,9 +20,10 @@ from flashinfer_jit import qsa_kernels as qk
 from flashinfer_jit.qsa_ref import qsa_decode_torch
 
 from .test_qsa import add_hazards, args_of, assert_close, make_case, ref_of
-from .test_replay import H200_CLUSTERS, FakeKernel, qsa_args, qsa_stub, stub  # noqa: F401 (fixtures)
+from .test_replay import FakeKernel, qsa_args, qsa_stub, stub  # noqa: F401 (fixtures)
 
 SMS = 132  # H200
+H200 = qk.H200_WAVE_CLUSTERS.__getitem__  # its clusters (max_active_clusters)
 
 
 def _launched(rows: int, hq: int, hkv: int, topk: int, combined: bool) -> tuple:
@@ -30,8 +31,7 @@ def _launched(rows: int, hq: int, hkv: int, topk: int, combined: bool) -> tuple:
     H200's SMs and clusters)."""
     splits, config, pair = 1, None, None
     if not qsa.use_fp8_decode_kernel(rows * hkv, torch.uint8):
-        clusters = H200_CLUSTERS.__getitem__
-        splits, config, pair = qk.launch_split(rows, hkv, topk, 128, SMS, clusters)
+        splits, config, pair = qk.launch_split(rows, hkv, topk, 128, SMS, H200)
     cluster = splits if splits > 1 else 0
     grid = rows * hkv * splits
     return splits, *qk.gather_choice(128, cluster, grid, SMS, combined, None, config, pair)
@@ -61,14 +61,13 @@ def test_issue_calls_take_the_measured_kernels():
 def test_wave_split_rule():
     """wave_split: the most splits whose clusters all fit, within the chunk and slot bounds;
     none off D=128 or without clusters (before sm_90)."""
-    h200 = H200_CLUSTERS.__getitem__
-    assert [qk.wave_split(p, 128, 2048, h200) for p in (8, 15, 16, 17, 30, 66, 67)] == [
+    assert [qk.wave_split(p, 128, 2048, H200) for p in (8, 15, 16, 17, 30, 66, 67)] == [
         8, 8, 6, 6, 4, 2, 0]  # fmt: skip
-    assert qk.wave_split(4, 64, 2048, h200) == 0 and qk.wave_split(4, 256, 2048, h200) == 0
+    assert qk.wave_split(4, 64, 2048, H200) == 0 and qk.wave_split(4, 256, 2048, H200) == 0
     assert qk.wave_split(4, 128, 2048, lambda k: 0) == 0
-    assert qk.wave_split(4, 128, 640, h200) == 5  # 40 chunks: 5 splits of 8
-    assert qk.wave_split(4, 128, 0, h200) == 0
-    assert qk.launch_split(qk.DECODE_MIN_PROGRAMS, 1, 2048, 128, SMS, h200) == (1, None, None)
+    assert qk.wave_split(4, 128, 640, H200) == 5  # 40 chunks: 5 splits of 8
+    assert qk.wave_split(4, 128, 0, H200) == 0
+    assert qk.launch_split(qk.DECODE_MIN_PROGRAMS, 1, 2048, 128, SMS, H200) == (1, None, None)
     assert qk.wave_smem_bytes(2) > 114 * 1024  # one CTA per SM, the rule's premise
 
 
@@ -130,7 +129,7 @@ def test_warmup_plans_are_what_the_dispatcher_launches(monkeypatch, hq, hkv, d, 
     kernel = FakeKernel([])
     monkeypatch.setattr(qk.KernelFamily, "get", lambda f, p, device: seen.add((f, p)) or kernel)
     entries, forms = qsa.SLOT_ENTRIES_PER_THREAD, (qsa.TMMA, qsa.LEAN_LOOP)
-    clusters = H200_CLUSTERS.__getitem__
+    clusters = H200
     plans = qk.dispatch_plans(
         hq // hkv, d, 64, hkv, topk, combined and d == 128, SMS, entries, clusters, *forms
     )
@@ -167,7 +166,7 @@ def test_loop_forms_pick_their_kernel():
         qk.decode_form_family, (8, 128, *config, True, True, False))  # fmt: skip
     assert qk.decode_plan(16, 128, 0, False, True, config, tmma=True)[0] is qk.decode_family
     assert qk.decode_plan(16, 128, 0, False, True, config, lean=True)[1][-2:] == (False, True)
-    plans = qk.dispatch_plans(8, 128, 64, 4, 1024, True, SMS, 1, H200_CLUSTERS.get, True, True)
+    plans = qk.dispatch_plans(8, 128, 64, 4, 1024, True, SMS, 1, H200, True, True)
     assert qk.decode_plan(8, 128, 0, False, True, config, True, True) in plans
     labels = {s.label for s in qk.all_specs(8, 128, 64, 1, True, False)}
     assert qk.decode_form_family.spec((8, 128, *config, True, True, False)).label in labels
@@ -237,9 +236,7 @@ def test_gpu_flips_back_to_back(monkeypatch, rows):
     monkeypatch.setattr(qsa, "SLOT_ENTRIES_PER_THREAD", 4)
     case = add_hazards(make_case(rows=rows, hq=16, hkv=4, d=128, page=64, topk=600, width=12,
                                  num_blocks=40, device="cuda", seed=rows, combined=True))  # fmt: skip
-    split = qk.launch_split(rows, 4, 600, 128, torch.cuda.get_device_properties(0).multi_processor_count,
-                            qsa.wave_clusters(0))  # fmt: skip
-    assert split[0] == {3: 4, 40: 2, 512: 1}[rows]
+    assert qsa.dispatch_split(rows, 4, 600, 128, torch.uint8, 0)[0] == {3: 4, 40: 2, 512: 1}[rows]
     fresh = [torch.randn_like(case["q"], dtype=torch.float32).to(torch.bfloat16) for _ in range(2)]
     outs = [torch.full_like(case["out"], math.nan) for _ in fresh]
     for q, out in zip(fresh, outs, strict=True):

@@ -250,11 +250,6 @@ def qsa_args(rows=3, hq=8, hkv=2, d=64, page=16, blocks=24, topk=40, combined=Fa
     )  # fmt: skip
 
 
-# Clusters of 2..8 one-CTA-per-SM CTAs the H200 runs at once (jit_kernels.max_active_clusters
-# there): what qsa.wave_clusters answers in the CPU tests.
-H200_CLUSTERS = {2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}
-
-
 @pytest.fixture
 def qsa_stub(stub, monkeypatch):
     kernel = FakeKernel(stub.launches)
@@ -263,18 +258,16 @@ def qsa_stub(stub, monkeypatch):
         monkeypatch.setattr(module, name, lambda x: 0)
     monkeypatch.setattr(qsl, "current_stream", lambda device: 0)
     monkeypatch.setattr(qsa, "sm_count", lambda device: 132)
-    monkeypatch.setattr(qsa, "wave_clusters", lambda device: H200_CLUSTERS.__getitem__)
+    monkeypatch.setattr(qsa, "wave_clusters", lambda device: qk.H200_WAVE_CLUSTERS.__getitem__)
 
     def impl(args, dispatch):  # qsa._impl's kernel branch, without its CUDA-device test
         stub.full.append(args)
-        rows, hkv, topk, d = (
-            args[0].shape[0],
-            args[1].shape[2],
-            args[3].shape[1] - 1,
-            args[0].shape[2],
-        )
-        split = qk.launch_split(rows, hkv, topk, d, 132, H200_CLUSTERS.__getitem__)
-        splits, config, pair = split if dispatch else (1, None, None)
+        q, k_cache, indices = args[0], args[1], args[3]
+        splits, config, pair = 1, None, None
+        if dispatch:  # sm_count and wave_clusters are the H200's (above)
+            splits, config, pair = qsa.dispatch_split(
+                q.shape[0], k_cache.shape[2], indices.shape[1] - 1, q.shape[2], k_cache.dtype, 0
+            )
         launch = qsa._decode_launch(*args[:8], splits, config=config, pair=pair)
         if not launch.run(*args):
             raise ValueError("not 16-byte aligned")

@@ -228,10 +228,7 @@ def dispatcher(args):
 
 def dispatch_split(rows, hkv, topk) -> tuple:
     """The dispatcher's (splits, config, pair) on this device (D=128, uint8 cache)."""
-    if qsa.use_fp8_decode_kernel(rows * hkv, torch.uint8):
-        return 1, None, None
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return qk.launch_split(rows, hkv, topk, HEAD_DIM, sms, qsa.wave_clusters(0))
+    return qsa.dispatch_split(rows, hkv, topk, HEAD_DIM, torch.uint8, 0)
 
 
 def probe_runner(sets):
@@ -408,12 +405,7 @@ def bench_wave(gib) -> None:
         times = {"dispatch": timed(dispatcher, sets, expect)}
         times["table"] = timed(variant(qk.split_count(rows, hkv, topk), None), sets, expect)
         for splits in sizes:
-            if (
-                qk.wave_split(
-                    rows * hkv, HEAD_DIM, topk, lambda c, s=splits: clusters(c) * (c <= s)
-                )
-                != splits
-            ):
+            if not qk.wave_fits(rows * hkv, topk, splits, clusters):
                 continue  # clusters do not all fit, too few chunks, or slots do not fit
             for name, cfg in WAVE_CONFIGS.items():
                 run = lambda a, s=splits, c=cfg: qsa._run_kernels(  # noqa: E731

@@ -128,8 +128,7 @@ def install_stub() -> None:
         "sm_count": lambda device: 132,
         "capability": lambda device: (9, 0),
         "kv_tensor_map": lambda ptr, num_blocks, block_size: bytes(128),  # MQA's TMA map
-        # the H200's clusters of 2..8 one-CTA-per-SM CTAs (QSA's one-wave split)
-        "wave_clusters": lambda device: {2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}.get,
+        "wave_clusters": lambda device: qk.H200_WAVE_CLUSTERS.__getitem__,  # QSA's one-wave split
     }
     for name, module in list(sys.modules.items()):
         if name.startswith("flashinfer_jit"):
@@ -145,9 +144,8 @@ def install_stub() -> None:
         q, k_cache, indices = args[0], args[1], args[3]
         rows, hkv, topk = q.shape[0], k_cache.shape[2], indices.shape[1] - 1
         splits, config, pair = 1, None, None
-        if dispatch and not qsa.use_fp8_decode_kernel(rows * hkv, k_cache.dtype):
-            clusters = qsa.wave_clusters(0)
-            splits, config, pair = qk.launch_split(rows, hkv, topk, q.shape[2], 132, clusters)
+        if dispatch:
+            splits, config, pair = qsa.dispatch_split(rows, hkv, topk, q.shape[2], k_cache.dtype, 0)
         launch = qsa._decode_launch(*args[:8], splits, config=config, pair=pair)
         launch.run(*args)
         return launch
