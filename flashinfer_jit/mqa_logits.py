@@ -51,6 +51,7 @@ from .mqa_logits_schedule import (
 )
 from .mqa_logits_tma import (
     TMA_DIM,
+    TmaConfig,
     kv_tensor_map,
     tma_config,
     tma_family,
@@ -92,11 +93,15 @@ _logits_family = kernel_family(
 # to compare variants; stages 0 means "as many as fit" for the ring kernel. `portable`
 # (mma.sync on widened fragments, the sm_100a/sm_103a code path) is never chosen on
 # sm_90a: it exists so the H200 tests cover what the other arches run. A 4-tuple turns
-# the TMA kernel off; ("tma", warpgroups, stages, producers, qbuf, probe) forces that
-# kernel's config (stages 0: as many as fit; probe 1/2/3: the benchmark's timing probes,
-# see templates/mqa_logits_tma.cuh; they write no valid logits).
-_config_override: tuple | None = None
+# the TMA kernel off; a TmaConfig forces that kernel's config (stages 0: as many as fit;
+# probe 1/2/3: the benchmark's timing probes, see templates/mqa_logits_tma.cuh; they write
+# no valid logits).
+_config_override: tuple | TmaConfig | None = None
 _force_generic = False  # tests and the benchmark: always use the generic kernel
+# The TMA kernel goes out as a programmatic dependent launch: its launch and prologue
+# overlap the previous kernel's tail (it waits for that kernel's results before reading
+# anything). Read per call, part of the plan key; the benchmark compares both.
+PDL = True
 
 
 def _params(next_n: int, heads: int, dim: int, block_size: int, output_dtype, epi_dtype, acc_dtype):
@@ -148,7 +153,7 @@ _plans: PlanCache[tuple] = PlanCache(replay=False)
 def _launchable(plan: tuple, what: str) -> tuple:
     """``plan`` if one block fits an SM (registers x threads, shared memory), else
     KernelUnavailable: a config that cannot launch is refused here, never at launch time."""
-    kernel, _, block, smem, _, _ = plan
+    kernel, _, block, smem = plan[:4]
     if kernel.blocks_per_sm(block[0], smem) < 1:
         raise KernelUnavailable(
             f"{what} cannot launch: {kernel.num_regs()} registers x {block[0]} threads, "
@@ -159,32 +164,30 @@ def _launchable(plan: tuple, what: str) -> tuple:
 
 def _tma_eligible(dim: int, device: int) -> bool:
     """The TMA kernel serves sm_90 at head_dim 128 unless a ring/direct config is forced."""
-    forced = _config_override is not None
-    if forced and _config_override[0] == "tma":
+    if isinstance(_config_override, TmaConfig):
         return True
-    return not forced and dim == TMA_DIM and capability(device) == (9, 0)
+    return _config_override is None and dim == TMA_DIM and capability(device) == (9, 0)
 
 
 def _tma_plan(geometry, dtypes, device: int) -> tuple:
     _, next_n, heads, dim, block_size = geometry
     n = next_n * heads
-    if _config_override is not None:
-        _, warpgroups, stages, producers, qbuf, probe = _config_override
-        stages = stages or tma_stages(n, warpgroups, producers, qbuf)
-        if stages < warpgroups:
+    config = _config_override if isinstance(_config_override, TmaConfig) else tma_config(n)
+    if config.stages == 0:
+        config = config._replace(
+            stages=tma_stages(n, config.warpgroups, config.producers, config.qbuf)
+        )
+        if config.stages < config.warpgroups:
             raise KernelUnavailable(f"forced TMA config {_config_override}: no ring stage fits")
-    else:
-        (warpgroups, stages, producers, qbuf), probe = tma_config(n), 0
-    config = (warpgroups, stages, producers, qbuf, probe)
-    params = (next_n, heads, dim, block_size, *dtypes, *config)
-    kernel = tma_family.get(params, device)
-    smem = tma_smem_bytes(n, warpgroups, stages, qbuf)
-    threads = tma_threads(warpgroups, producers)
+    kernel = tma_family.get((next_n, heads, dim, block_size, *dtypes, *config), device)
+    smem = tma_smem_bytes(n, config.warpgroups, config.stages, config.qbuf)
+    threads = tma_threads(config.warpgroups, config.producers)
 
     def kv_map(kv_ptr: int, kv_fused) -> tuple[bytes]:
         return (kv_tensor_map(kv_ptr, kv_fused.shape[0], block_size),)
 
-    return kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, (), kv_map
+    grid = (sm_count(device), 1, 1)
+    return kernel, grid, (threads, 1, 1), smem, (), kv_map, PDL
 
 
 def _specialized_plan(geometry, dtypes, device: int) -> tuple:
@@ -200,16 +203,27 @@ def _specialized_plan(geometry, dtypes, device: int) -> tuple:
     warpgroups, stages, _, ring = params[7:11]
     smem = kernel_smem(next_n * heads, dim, warpgroups, stages, ring)
     threads = 128 * warpgroups + (32 if ring else 0)  # the ring kernel's producer warp
-    plan = (kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, (), None)
+    plan = (kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, (), None, False)
     return _launchable(plan, kernel.name)
 
 
 def _plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int) -> tuple:
-    """(kernel, grid, block, smem, extra args, kv args) of the kernel that serves: the TMA
-    kernel (sm_90, head_dim 128), else the ring/direct specialization, else the generic
-    kernel. ``extra`` is appended to every launch's arguments; ``kv args``, when not None,
-    maps (kv_fused address, kv_fused) to the per-pool arguments appended after them."""
-    key = (geometry, output_dtype, epi_dtype, acc_dtype, device, _config_override, _force_generic)
+    """(kernel, grid, block, smem, extra args, kv args, programmatic) of the kernel that
+    serves: the TMA kernel (sm_90, head_dim 128), else the ring/direct specialization, else
+    the generic kernel. ``extra`` is appended to every launch's arguments; ``kv args``, when
+    not None, maps (kv_fused address, kv_fused) to the per-pool arguments appended after
+    them; ``programmatic``: launch as a programmatic dependent launch (the kernel waits for
+    the preceding grid itself)."""
+    key = (
+        geometry,
+        output_dtype,
+        epi_dtype,
+        acc_dtype,
+        device,
+        _config_override,
+        _force_generic,
+        PDL,
+    )
     plan = _plans.get(key)
     if plan is None:
         dtypes = (output_dtype, epi_dtype, acc_dtype)
@@ -254,7 +268,7 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
         dtypes = (dtype[out_dt], dtype[epi_dt], dtype[acc_dt])
         specs.add(_logits_family.spec(_params(*geometry, *dtypes)))
         if geometry[2] == TMA_DIM:  # sm_90a's kernel (the spec names its arch)
-            specs.add(tma_family.spec((*geometry, *dtypes, *tma_config(next_n * heads), 0)))
+            specs.add(tma_family.spec((*geometry, *dtypes, *tma_config(next_n * heads))))
     return sorted(specs, key=str)
 
 
@@ -360,7 +374,7 @@ def fp8_paged_mqa_logits(
         # The replay (jit_kernels.plan_cache): the guard of the last plan, else the key.
         scalars = (
             type(max_seq_len), max_seq_len, output_dtype, epi_dtype, acc_dtype,
-            schedule_meta is None, out is None, _config_override, _force_generic,
+            schedule_meta is None, out is None, _config_override, _force_generic, PDL,
         )  # fmt: skip
         sched = _NO_SCHEDULE if schedule_meta is None else schedule_meta
         dest = _NO_OUT if out is None else out

@@ -41,7 +41,7 @@ def generic_plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int, why:
     smem = ring_smem_bytes(GENERIC_ROWS, dim, GENERIC_WARPGROUPS, stages)
     threads = 128 * GENERIC_WARPGROUPS + 32
     extra = (next_n, heads, dim, block_size, stages)
-    return kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, extra, None
+    return kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, extra, None, False
 
 
 def generic_specs() -> list[KernelSpec]:

@@ -19,7 +19,7 @@ class Launch:
     """One call's kernel launch with everything but the tensors' addresses fixed."""
 
     __slots__ = (
-        *("kernel", "grid", "block", "smem", "extra", "kv_args", "device", "copy"),
+        *("kernel", "go", "grid", "block", "smem", "extra", "kv_args", "device", "copy"),
         *("table_stride", "lens_stride", "out_stride", "batch", "alloc", "dtype", "place"),
         *("view", "kv_memo"),
     )
@@ -35,8 +35,10 @@ class Launch:
         out: torch.Tensor,
         max_seq_len: int,
     ):
-        # plan: (kernel, grid, block, smem, extra args, kv args), see mqa_logits._plan
-        self.kernel, self.grid, self.block, self.smem, self.extra, self.kv_args = plan
+        # plan: (kernel, grid, block, smem, extra args, kv args, programmatic), see
+        # mqa_logits._plan
+        self.kernel, self.grid, self.block, self.smem, self.extra, self.kv_args, pdl = plan
+        self.go = self.kernel.launch_programmatic if pdl else self.kernel.launch
         self.device = device
         self.copy = not (q.is_contiguous() and weights.is_contiguous())
         self.table_stride, self.lens_stride = block_tables.stride(0), seq_lens.stride(0)
@@ -81,6 +83,6 @@ class Launch:
             if memo[0] != kv_ptr:
                 memo = self.kv_memo = (kv_ptr, self.kv_args(kv_ptr, kv_fused))
             args += memo[1]
-        self.kernel.launch(self.grid, self.block, current_stream(self.device), args, self.smem)
+        self.go(self.grid, self.block, current_stream(self.device), args, self.smem)
         # as_strided is the [:rows, :max_seq_len] view, ~0.4-0.9 us cheaper (timeit, CPU)
         return out if self.view is None else out.as_strided(*self.view)

@@ -10,6 +10,7 @@ engine's pool never moves, and the hot path is one dict lookup.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from jit_kernels import KernelUnavailable
 
@@ -41,6 +42,18 @@ tma_family = kernel_family(
     ("P", "P", "P", "P", "q", "P", "q", "P", "P", "q", "i", "M"),
     archs=("sm_90a",),
 )
+
+
+class TmaConfig(NamedTuple):
+    """The TMA kernel's launch configuration: its template parameters after the geometry and
+    dtypes. As ``mqa_logits._config_override`` (tests, benchmarks) ``stages`` 0 means as many
+    as fit."""
+
+    warpgroups: int  # consumer warpgroups
+    stages: int  # ring stages
+    producers: int  # producer warps
+    qbuf: int  # Q buffers per warpgroup (2: the next request's Q is prefetched)
+    probe: int = 0  # benchmark only: 1/2/3 time parts of the kernel and write no logits
 
 
 def tma_regs(n: int) -> int:
@@ -76,8 +89,8 @@ def tma_threads(warpgroups: int, producers: int) -> int:
     return 128 * warpgroups + 32 * producers
 
 
-def tma_config(n: int) -> tuple[int, int, int, int]:
-    """(warpgroups, stages, producers, qbuf) for next_n*num_heads = n.
+def tma_config(n: int) -> TmaConfig:
+    """The configuration for next_n*num_heads = n.
 
     Measured on the H200 (tools/bench_mqa_logits.py --sweep): consumers are latency-bound,
     so the most warpgroups (at most 4) whose accumulators fit the block's register cap;
@@ -93,7 +106,7 @@ def tma_config(n: int) -> tuple[int, int, int, int]:
         for qbuf in (2, 1):
             stages = tma_stages(n, warpgroups, producers, qbuf)
             if stages >= 2 * warpgroups:
-                return warpgroups, stages, producers, qbuf
+                return TmaConfig(warpgroups, stages, producers, qbuf)
     raise KernelUnavailable(f"next_n*num_heads={n} does not fit the TMA kernel")
 
 

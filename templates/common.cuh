@@ -32,6 +32,20 @@ __device__ __forceinline__ uint2 bf16x8_to_e4m3x8(uint4 v) {
   return make_uint2(a | (b << 16), c | (d << 16));
 }
 
+// Programmatic dependent launch (sm_90+): wait for the preceding grid's results before the
+// first global access, then let the dependent grid launch. Both are no-ops for an ordinary
+// launch (the preceding grid has completed by then) and before sm_90.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependents_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // A read-once 16-byte load that skips L1: streaming inputs must not evict reused data.
 __device__ __forceinline__ uint4 load_stream_16(const void* ptr) {
   uint4 v;

@@ -8,13 +8,18 @@
 //     [num_blocks][block_size][128] bytes, 128-byte swizzle), which lays the rows out as
 //     wgmma's K-major SW128 operand; the tile's fp32 scales follow with a plain bulk copy.
 //     Same ring, barriers and tile order as mqa_logits_ring.cuh.
-//   * Q: each consumer warpgroup keeps QBUF SW128 Q buffers (+ weights). With two, when it
-//     starts a request it prefetches the next request's Q with cp.async into the other
-//     buffer, so a request change costs a barrier, not a global-memory round trip; with
-//     one (large next_n*num_heads, where shared memory is better spent on ring stages) it
-//     loads Q when the request changes.
+//   * Q: each consumer warpgroup keeps QBUF SW128 Q buffers (+ weights). With two, it
+//     loads its first request's Q and the next request's at the start, and whenever it
+//     moves on to a request prefetches the one after it (cp.async) into the buffer just
+//     left, so a request change costs a barrier, not a global-memory round trip. (At the
+//     start every SM fills its ring: a load issued then waits behind that burst for
+//     microseconds, so the second request's Q must not wait for the first tile.) With one
+//     buffer (large next_n*num_heads, where shared memory is better spent on ring stages)
+//     it loads Q when the request changes.
 //   * Per tile: S^T = K_tile . Q^T with one wgmma m64nNk32 per k step (A and B descriptors), then the
 //     epilogue of mqa_logits_tile.cuh (ReLU, weights, head sum in-thread, scale, store).
+//   * The kernel waits for the preceding grid (griddepcontrol.wait) before its first global
+//     read, so the host may launch it as a programmatic dependent launch.
 // PROBE (benchmark only) leaves out parts to time the rest: 1 = consumers release each
 // stage untouched (the streaming alone), 2 = no epilogue (stream + MMA), 3 = no MMA
 // (stream + epilogue on unset accumulators). 0 is the kernel.
@@ -42,8 +47,12 @@ __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src) {
 __device__ __forceinline__ void cp_async_4(unsigned dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all_but_last() {  // every group but the newest
+  asm volatile("cp.async.wait_group 1;" ::: "memory");
 }
 
 // wgmma descriptor of a K-major e4m3 operand in the 128-byte swizzle: 128-byte rows, 8-row
@@ -142,6 +151,8 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   if (threadIdx.x == WGS * 128)
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&kv_map)) : "memory");
 
+  fij::grid_dependency_wait();  // everything above touches parameters and registers only
+  fij::grid_dependents_launch();
   cta_tiles<WGS * 128 + 32 * PRODUCERS>(schedule, seq_lens, sl_stride, batch, red, sched);
   ring_init(full0, empty0, STAGES);  // (synchronizes the block: sched is visible)
   const int len = sched[2];
@@ -162,10 +173,13 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   const unsigned qaddr0 = base + L::kQ + wg * QBUF * (N * 128), waddr0 = base + L::kW + wg * QBUF * kWBytes;
   constexpr bool WREG = N / 2 + N / 4 + 48 <= reg_cap(WGS * 128 + 32 * PRODUCERS);
   WeightsReg<WREG ? N : 8> wreg;
-  int q_b = -1, pf_b = -1, cur = QBUF - 1;  // current request, prefetched request, current buffer
+  // The current request and buffer; pf_b: the request whose Q is in (or on its way into)
+  // buffer cur ^ 1; early_b (two buffers, until the first switch): the request after the
+  // first, on its way into buffer cur, in the newest cp.async group.
+  int q_b = -1, pf_b = -1, early_b = -1, cur = QBUF - 1;
 
   // Make request b current: its Q (prefetched, or loaded now) in the next buffer, then with
-  // two buffers prefetch the next request that has tiles into the buffer just left.
+  // two buffers prefetch the next request into the buffer just left.
   auto switch_to = [&](int b) {
     const int nxt = QBUF == 2 ? cur ^ 1 : 0;
     if (b != pf_b) {
@@ -173,8 +187,12 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
       // One buffer: every warp must be done with the previous request's weights first.
       if constexpr (QBUF == 1) asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
       issue_q<N>(q, weights, b, qaddr0 + nxt * (N * 128), waddr0 + nxt * kWBytes, tid);
+      cp_async_wait_all();
+    } else if (early_b >= 0) {
+      cp_async_wait_all_but_last();  // the early prefetch may still be landing
+    } else {
+      cp_async_wait_all();
     }
-    cp_async_wait_all();
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes -> wgmma reads
     asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
     cur = nxt;
@@ -182,9 +200,14 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) + (wg * QBUF + cur) * LaneWeights<N>::kFloats;
     if constexpr (WREG) wreg.load_lane(wbuf + tig * LaneWeights<N>::kStride);
     if constexpr (QBUF == 1) return;
-    int nb = b + 1;
-    for (int k = 0; k < 8 && nb < batch && seq_lens[nb * sl_stride] <= 0; ++k) ++nb;
-    pf_b = nb < batch && seq_lens[nb * sl_stride] > 0 ? nb : -1;
+    if (early_b >= 0) {  // already on its way into what is now buffer cur ^ 1
+      pf_b = early_b;
+      early_b = -1;
+      return;
+    }
+    // Request b + 1, empty or not: checking its length would put a global load on this
+    // warpgroup's critical path. (After an empty request the next switch loads Q itself.)
+    pf_b = b + 1 < batch ? b + 1 : -1;
     if (pf_b >= 0) issue_q<N>(q, weights, pf_b, qaddr0 + (cur ^ 1) * (N * 128), waddr0 + (cur ^ 1) * kWBytes, tid);
   };
 
@@ -195,6 +218,12 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     if (b < batch) {
       issue_q<N>(q, weights, b, qaddr0, waddr0, tid);
       pf_b = b;
+      if (QBUF == 2 && b + 1 < batch) {  // the next request's Q into buffer cur (unused yet)
+        cp_async_commit();
+        issue_q<N>(q, weights, b + 1, qaddr0 + cur * (N * 128), waddr0 + cur * kWBytes, tid);
+        cp_async_commit();
+        early_b = b + 1;
+      }
     }
   }
   // The MMA of the tile in stage s into acc (asynchronous: committed, not waited for).

@@ -165,7 +165,18 @@ template <int THREADS>
 __device__ __forceinline__ void cta_tiles(const int* __restrict__ schedule, const int* __restrict__ seq_lens,
                                           long long sl_stride, int batch, int* red, int* sched) {
   const int lane = threadIdx.x & 31;
-  if (schedule == nullptr) {
+  if (schedule == nullptr && batch <= THREADS) {
+    // One pass: a thread per request, one scan gives the total and each request's first
+    // tile (the loads sit on every CTA's critical path: one round trip, not two).
+    const int b = threadIdx.x;
+    const int n = b < batch ? tiles_of(seq_lens[b * sl_stride]) : 0;
+    if (threadIdx.x == 0) { sched[0] = batch; sched[1] = 0; }  // past the end, unless found
+    int total;
+    const int start = block_exclusive_scan<THREADS>(n, red, total);  // (synchronizes the block)
+    const int x0 = split_point(blockIdx.x, gridDim.x, total);
+    if (n > 0 && start <= x0 && x0 < start + n) { sched[0] = b; sched[1] = x0 - start; }
+    if (threadIdx.x == 0) sched[2] = split_point(blockIdx.x + 1, gridDim.x, total) - x0;
+  } else if (schedule == nullptr) {
     const int total = total_tiles<THREADS>(seq_lens, sl_stride, batch, red);
     const int x0 = split_point(blockIdx.x, gridDim.x, total);
     locate_tile<THREADS>(seq_lens, sl_stride, batch, x0, red, sched);

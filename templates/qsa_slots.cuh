@@ -16,25 +16,17 @@
 // multiply-shift even for non-power-of-two pages. resolve_slot_list is the cluster
 // decode's own (fused) resolution under the same rules.
 #pragma once
+#include "common.cuh"
 
 namespace fij_qsa {
 
 constexpr int kSlotThreads = 256;
 constexpr int kOrderBins = 1024;  // chunk-count keys of the row order; longer rows share the last bin
 
-// Programmatic dependent launch (sm_90+). Every QSA kernel waits for the preceding grid's
-// results before its first global access and then lets its dependents launch. Both are
-// no-ops for an ordinary launch (the prerequisite grid has completed by then).
-__device__ __forceinline__ void grid_dependency_wait() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void grid_dependents_launch() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+// Programmatic dependent launch (common.cuh): every QSA kernel waits for the preceding
+// grid's results before its first global access and then lets its dependents launch.
+using fij::grid_dependency_wait;
+using fij::grid_dependents_launch;
 
 // A read-only load the compiler may not turn into one predicated on later tests (it would
 // otherwise wait for the count before issuing it).

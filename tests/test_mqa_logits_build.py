@@ -164,7 +164,7 @@ def test_fast_path_replays_the_full_path(monkeypatch, request):
         def launch(self, grid, block, stream, args, smem):
             calls.append((grid, block, args, smem))
 
-    plan = (Kernel(), (7, 1, 1), (288, 1, 1), 1234, (), None)
+    plan = (Kernel(), (7, 1, 1), (288, 1, 1), 1234, (), None, False)
     monkeypatch.setattr(mq, "_kernel_refusal", lambda q, kv: None)
     monkeypatch.setattr(mq, "_plan", lambda *a: plan)
     import flashinfer_jit.mqa_logits_launch as mql

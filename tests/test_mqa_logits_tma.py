@@ -12,6 +12,7 @@ import flashinfer_jit.mqa_logits as mq
 from flashinfer_jit._jit import BUILDER
 from flashinfer_jit.mqa_logits_checks import SMEM_LIMIT, STATIC_SMEM, reg_cap
 from flashinfer_jit.mqa_logits_tma import (
+    TmaConfig,
     tma_config,
     tma_family,
     tma_regs,
@@ -28,7 +29,8 @@ SHIPPED_N = sorted({nn * h for nn in (1, 2, 3, 4) for h in (32, 64)})
 
 @pytest.mark.parametrize("n", [8, *SHIPPED_N, 256])
 def test_configs_fit(n):
-    warpgroups, stages, producers, qbuf = tma_config(n)
+    warpgroups, stages, producers, qbuf, probe = tma_config(n)
+    assert probe == 0
     assert stages % warpgroups == 0 and stages % producers == 0 and stages >= 2 * warpgroups
     assert tma_smem_bytes(n, warpgroups, stages, qbuf) + STATIC_SMEM <= SMEM_LIMIT
     assert tma_regs(n) <= reg_cap(128 * warpgroups + 32 * producers)
@@ -39,7 +41,7 @@ def test_configs_fit(n):
 )
 def test_cubin_uses_tma_and_wgmma_without_spills(next_n, heads, block, tmp_path):
     f32 = torch.float32
-    params = (next_n, heads, 128, block, f32, f32, f32, *tma_config(next_n * heads), 0)
+    params = (next_n, heads, 128, block, f32, f32, f32, *tma_config(next_n * heads))
     spec = tma_family.spec(params)
     sass, res = _sass(compile_cubin(render(spec, BUILDER.template_root), "sm_90a").cubin, tmp_path)
     assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills: {res}"
@@ -83,7 +85,7 @@ def picked(monkeypatch):
         ((10, 0), 128, None, "mqa_logits"),  # sm_100: the portable ring
         ((9, 0), 96, None, "mqa_logits"),  # other head dims: the ring
         ((9, 0), 128, (3, 0, False, True), "mqa_logits"),  # a forced ring config
-        ((9, 0), 128, ("tma", 2, 0, 2, 1, 0), "mqa_logits_tma"),
+        ((9, 0), 128, TmaConfig(2, 0, 2, 1), "mqa_logits_tma"),
     ],
 )
 def test_dispatch_picks_the_tma_kernel_where_it_applies(
@@ -96,13 +98,16 @@ def test_dispatch_picks_the_tma_kernel_where_it_applies(
     plan = mq._plan((256, 2, 64, dim, 64), f32, f32, f32, 0)
     assert got[-1][0] == family
     if family == "mqa_logits_tma":
-        config = tma_config(128) if override is None else (2, got[-1][1][8], 2, 1)
-        assert got[-1][1] == (2, 64, dim, 64, f32, f32, f32, *config, 0)
-        assert plan[2] == (tma_threads(config[0], config[2]), 1, 1)
-        assert plan[3] == tma_smem_bytes(128, config[0], config[1], config[3])
+        config = tma_config(128) if override is None else override._replace(stages=got[-1][1][8])
+        assert config.stages > 0
+        assert got[-1][1] == (2, 64, dim, 64, f32, f32, f32, *config)
+        assert plan[2] == (tma_threads(config.warpgroups, config.producers), 1, 1)
+        assert plan[3] == tma_smem_bytes(128, config.warpgroups, config.stages, config.qbuf)
         assert plan[5] is not None  # the per-pool tensor map argument
+        assert plan[6] is mq.PDL  # a programmatic launch: the kernel waits itself
     else:
         assert plan[5] is None
+        assert plan[6] is False  # these kernels do not wait for the preceding grid
 
 
 def test_dispatch_falls_back_to_the_ring_when_the_tma_kernel_is_missing(picked, monkeypatch):
@@ -116,12 +121,15 @@ def test_dispatch_falls_back_to_the_ring_when_the_tma_kernel_is_missing(picked, 
 
 
 # -- GPU ----------------------------------------------------------------------------------
-# ("tma", warpgroups, stages, producer warps, Q buffers, probe)
+# TmaConfig(warpgroups, stages, producer warps, Q buffers); "no_pdl": the dispatcher's
+# config launched without PDL.
 TMA_VARIANTS = {
     "auto": None,
-    "tma_1x3": ("tma", 1, 3, 1, 2, 0),  # a 3-stage ring: wraps every third tile
-    "tma_2x4p2q1": ("tma", 2, 4, 2, 1, 0),  # two producer warps, one Q buffer
-    "tma_4x16p2": ("tma", 4, 16, 2, 2, 0),  # where next_n*heads fits 4 warpgroups
+    "no_pdl": None,
+    "tma_1x3": TmaConfig(1, 3, 1, 2),  # a 3-stage ring: wraps every third tile
+    "tma_2x4p2q1": TmaConfig(2, 4, 2, 1),  # two producer warps, one Q buffer
+    "tma_3x6p3q1": TmaConfig(3, 6, 3, 1),  # three warpgroups, one Q buffer
+    "tma_4x16p2": TmaConfig(4, 16, 2, 2),  # where next_n*heads fits 4 warpgroups
 }
 
 
@@ -134,6 +142,7 @@ def tma_variant(request, monkeypatch):
     if not _sm90():
         pytest.skip("the TMA kernel runs on sm_90 only")
     monkeypatch.setattr(mq, "_config_override", TMA_VARIANTS[request.param])
+    monkeypatch.setattr(mq, "PDL", request.param != "no_pdl")
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a fallback to torch would hide a kernel bug
     return request.param
 
@@ -151,6 +160,8 @@ def _served_by_tma() -> bool:
 def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
     if tma_variant == "tma_4x16p2" and next_n * heads > 64:
         pytest.skip("4 warpgroups fit next_n*heads <= 64 only")
+    if tma_variant == "tma_3x6p3q1" and next_n * heads > 192:
+        pytest.skip("3 warpgroups fit next_n*heads <= 192 only")
     mq._plans.clear()
     mq._replays.clear()
     lens = EDGE_LENS + [next_n - 1, 1000, 64 * 7, 3 * block_size]
@@ -169,7 +180,9 @@ def _one_cta_schedule(batch: int) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tma_variant", ["auto", "tma_1x3", "tma_2x4p2q1"], indirect=True)
+@pytest.mark.parametrize(
+    "tma_variant", ["auto", "tma_1x3", "tma_2x4p2q1", "tma_3x6p3q1"], indirect=True
+)
 @pytest.mark.parametrize("next_n,heads,block_size", [(1, 64, 64), (2, 64, 32), (1, 32, 128)])
 def test_gpu_tma_one_cta_walks_everything(tma_variant, next_n, heads, block_size):
     gen = torch.Generator().manual_seed(5)
@@ -191,7 +204,7 @@ def test_gpu_tma_probe_streams_without_writing(monkeypatch):
     """The benchmark's streaming probe runs to completion and writes nothing."""
     if not _sm90():
         pytest.skip("the TMA kernel runs on sm_90 only")
-    monkeypatch.setattr(mq, "_config_override", ("tma", 2, 0, 2, 2, 1))
+    monkeypatch.setattr(mq, "_config_override", TmaConfig(2, 0, 2, 2, probe=1))
     q, kv, w, table, seq, max_len = make_inputs([900, 5, 0, 4000], device="cuda")
     out = torch.full((4, mq.padded_seq_len(max_len)), float("nan"), device="cuda")
     mq.fp8_paged_mqa_logits(q, kv, w, table, seq, max_len, out=out)

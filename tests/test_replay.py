@@ -33,7 +33,7 @@ class FakeKernel:
     def launch(self, grid, block, stream, args, smem=0):
         self.launches.append((grid, block, args, smem))
 
-    launch_programmatic = launch  # qsa.PDL's launches, recorded alike
+    launch_programmatic = launch  # qsa.PDL's and mqa_logits.PDL's launches, recorded alike
 
     def blocks_per_sm(self, threads, smem=0):
         return 1
@@ -97,7 +97,7 @@ def mqa_stub(stub, monkeypatch):
     monkeypatch.setattr(
         mq,
         "_plan",
-        lambda *a: stub.full.append(a) or (kernel, (7, 1, 1), (288, 1, 1), 99, (), None),
+        lambda *a: stub.full.append(a) or (kernel, (7, 1, 1), (288, 1, 1), 99, (), None, False),
     )
     monkeypatch.setattr(mq, "cuda_device_index", lambda t: 0)
     monkeypatch.setattr(mql, "current_stream", lambda device: 0)
@@ -219,7 +219,7 @@ def test_mqa_per_pool_arguments_once_per_address(mqa_stub, monkeypatch):
         maps.append(kv_ptr)
         return (kv_ptr.to_bytes(8, "little"),)
 
-    plan = (kernel, (7, 1, 1), (288, 1, 1), 99, (), kv_args)
+    plan = (kernel, (7, 1, 1), (288, 1, 1), 99, (), kv_args, True)  # the TMA kernel's form
     monkeypatch.setattr(mq, "_plan", lambda *a: stub.full.append(a) or plan)
     other = mqa_args()
     for args in (base, base, base, other, other, base):

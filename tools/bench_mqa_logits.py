@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashinfer_jit.mqa_logits as mq  # noqa: E402
-from flashinfer_jit.mqa_logits_tma import tma_config  # noqa: E402
+from flashinfer_jit.mqa_logits_tma import TmaConfig, tma_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_util import warm_gpu  # noqa: E402
@@ -46,42 +46,43 @@ ROWS = [  # B, next_n, H, L, DeepGEMM us, target us (eager), target us (graph re
     (128, 3, 64, 16384, None, 85, None),
     (128, 4, 32, 16384, None, 85, None),
 ]
-# Variants: None = the dispatcher's choice (on sm_90 the TMA kernel); ("tma", warpgroups,
-# stages, producer warps, Q buffers, probe) the TMA kernel forced (stages 0 = as many as
-# fit; probe 1 = stream the tiles only, 2 = stream + MMA, 3 = stream + epilogue, no valid
-# output: what each part costs); ("auto", probe) = the dispatcher's TMA config as a probe;
-# (warpgroups, stages, portable, ring) the ring/direct kernels of mqa_logits.cuh;
-# "generic" the runtime-geometry fallback kernel.
+# Variants: None = the dispatcher's choice (on sm_90 the TMA kernel); a TmaConfig = the TMA
+# kernel forced (stages 0 = as many as fit; probe 1 = stream the tiles only, 2 = stream +
+# MMA, 3 = stream + epilogue, no valid output: what each part costs); ("auto", {field:
+# value}) = the dispatcher's TMA config with those fields replaced (a probe, say);
+# "no-pdl" = the dispatcher's choice launched without PDL; (warpgroups, stages, portable,
+# ring) the ring/direct kernels of mqa_logits.cuh; "generic" the runtime-geometry fallback.
 VARIANTS = [
     None,
-    ("tma", 2, 0, 2, 2, 0),
-    ("tma", 4, 0, 4, 1, 0),
-    ("tma", 2, 0, 2, 2, 1),
+    TmaConfig(2, 0, 2, 2),
+    TmaConfig(4, 0, 4, 1),
+    TmaConfig(2, 0, 2, 2, probe=1),
     (2, 0, False, True),
     (3, 0, False, True),
     (4, 2, False, False),  # the register-fed direct kernel (auto above head_dim ~448)
     "generic",
 ]
-LEAN_VARIANTS = [None, ("auto", 1), (3, 0, False, True), "generic"]
-# --sweep: TMA configs and the auto config's probes, graph-timed.
+LEAN_VARIANTS = [None, ("auto", {"probe": 1}), (3, 0, False, True), "generic"]
+# --sweep: TMA configs, PDL and the auto config's probes, graph-timed.
 SWEEP_VARIANTS = [
     None,
-    ("auto", 1),
-    ("auto", 2),
-    ("auto", 3),
-    *(("tma", w, 0, w, qb, 0) for w, qb in ((2, 1), (3, 1), (4, 1), (4, 2))),
+    "no-pdl",
+    ("auto", {"probe": 1}),
+    ("auto", {"probe": 2}),
+    ("auto", {"probe": 3}),
+    *(TmaConfig(w, 0, w, qb) for w, qb in ((2, 1), (3, 1), (4, 1), (4, 2))),
 ]
 BLOCK_ROWS = {(256, 1, 64, 8192), (128, 3, 64, 16384)}  # rows compared at blocks 32/128
 
 
 def vname(v) -> str:
-    if v is None or v == "generic":
+    if v is None or isinstance(v, str):
         return v or "auto"
     if v[0] == "auto":
-        return f"auto-probe{v[1]}"
-    if v[0] == "tma":
-        kind = f"probe{v[5]}-" if v[5] else "tma"
-        return f"{kind}{v[1]}x{v[2] or 'max'}p{v[3]}q{v[4]}"
+        return "auto-" + ",".join(f"{k}{x}" for k, x in v[1].items())
+    if isinstance(v, TmaConfig):
+        kind = f"probe{v.probe}-" if v.probe else "tma"
+        return f"{kind}{v.warpgroups}x{v.stages or 'max'}p{v.producers}q{v.qbuf}"
     kind = "ring" if v[3] else "direct"
     return f"{kind}{'-mma' if v[2] else ''}{v[0]}x{v[1] or 'max'}"
 
@@ -212,21 +213,25 @@ def floor_us(sets, next_n):
     return tokens * (D + 4 + 4 * next_n) / BW * 1e6
 
 
-def run_row(batch, next_n, heads, length, block, reps, variants, gen, graph=False):
+def set_variant(v, n: int) -> None:
+    """Force variant v (see VARIANTS) for next_n*heads = n."""
+    mq._config_override, mq._force_generic, mq.PDL = None, v == "generic", v != "no-pdl"
+    if isinstance(v, tuple) and v[0] == "auto":  # the dispatcher's TMA config, modified
+        mq._config_override = tma_config(n)._replace(**v[1])
+    elif isinstance(v, tuple):
+        mq._config_override = v
+
+
+def run_row(batch, next_n, heads, length, block, reps, variants, gen, timer=None):
     set_bytes = batch * 0.85 * length * (D + 4)
     n_sets = int(min(48, max(2, 240e6 // max(set_bytes, 1))))
     sets = [make_set(batch, next_n, heads, length, block, gen) for _ in range(n_sets)]
     results = {}
     for v in variants:
-        mq._config_override, mq._force_generic = (None, True) if v == "generic" else (v, False)
-        if isinstance(v, tuple) and v[0] == "auto":  # the dispatcher's TMA config, as a probe
-            mq._config_override = ("tma", *tma_config(next_n * heads), v[1])
+        set_variant(v, next_n * heads)
         try:
-            if isinstance(v, tuple) and v[0] not in (
-                "tma",
-                "auto",
-            ):  # a forced config that cannot fit
-                f32 = torch.float32
+            if isinstance(v, tuple) and not isinstance(mq._config_override, TmaConfig):
+                f32 = torch.float32  # a forced ring/direct config that cannot fit
                 mq._params(next_n, heads, D, block, f32, f32, f32)
             q, kv, w, table, lens = sets[0]
             mq._plans.clear()
@@ -234,12 +239,12 @@ def run_row(batch, next_n, heads, length, block, reps, variants, gen, graph=Fals
             logits = mq.fp8_paged_mqa_logits(q, kv, w, table, lens, length)
             served = next(iter(mq._plans.values()))[0].name
             forced = mq._config_override
-            if forced is not None and forced[0] == "tma" and "mqa_logits_tma" not in served:
+            tma = isinstance(forced, TmaConfig)
+            if tma and "mqa_logits_tma" not in served:
                 raise KernelUnavailable(f"the TMA kernel did not serve ({served})")
-            if not (forced is not None and forced[0] == "tma" and forced[5]):  # probes: no logits
+            if not (tma and forced.probe):  # probes: no logits
                 check(logits, q, kv, w, table, lens)
-            timer = time_graph if graph else time_eager
-            results[vname(v)] = timer(sets, length, reps)
+            results[vname(v)] = (timer or time_eager)(sets, length, reps)
         except KernelUnavailable as exc:
             results[vname(v)] = None
             print(f"  [{batch},{next_n},{heads},{length},blk{block}] {vname(v)} n/a: {exc}")
@@ -248,14 +253,14 @@ def run_row(batch, next_n, heads, length, block, reps, variants, gen, graph=Fals
             print(f"  [{batch},{next_n},{heads},{length},blk{block}] {vname(v)} failed: {exc!r}")
             traceback.print_exc(limit=2)
         finally:
-            mq._config_override, mq._force_generic = None, False
+            set_variant(None, next_n * heads)
     return sets, results
 
 
 # The streaming probe's knobs: (warpgroups, stages, producer warps).
 PROBES = [
     None,
-    *(("tma", 2, s, p, 2, 1) for s in (8, 16, 0) for p in (1, 2)),
+    *(TmaConfig(2, s, p, 2, probe=1) for s in (8, 16, 0) for p in (1, 2)),
 ]
 
 
@@ -301,11 +306,13 @@ def sweep(reps: int) -> None:
     names = [vname(v) for v in SWEEP_VARIANTS]
     table = []
     for batch, next_n, heads, length, *_ in ROWS:
-        sets, res = run_row(batch, next_n, heads, length, 64, reps, SWEEP_VARIANTS, gen, graph=True)
+        sets, res = run_row(
+            batch, next_n, heads, length, 64, reps, SWEEP_VARIANTS, gen, time_graph_calls
+        )
         table.append((batch, next_n, heads, length, floor_us(sets, next_n), res))
         del sets
         torch.cuda.empty_cache()
-    print("\nTMA config sweep, CUDA-graph replay us (block 64):")
+    print("\nTMA config sweep, per call in a CUDA graph of 8 calls, us (block 64):")
     print("| B | next_n | H | L | floor | " + " | ".join(names) + " |")
     for batch, next_n, heads, length, floor, res in table:
         cells = " | ".join("-" if res.get(n) is None else f"{res[n]:.1f}" for n in names)

@@ -7,7 +7,8 @@
 
 The first call compiles/loads and warms up (skipped by --launch-skip 1); the second is
 the profiled launch. --variant forces (warpgroups, stages, portable, ring) as the
-benchmark's variants do, e.g. 4,2,0,0 for the direct kernel, or tma,W,S,PRODUCERS,QBUF,PROBE.
+benchmark's variants do, e.g. 4,2,0,0 for the direct kernel, or
+tma,W,S,PRODUCERS,QBUF,PROBE (see mqa_logits_tma.TmaConfig).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_mqa_logits as bench  # noqa: E402
 
 import flashinfer_jit.mqa_logits as mq  # noqa: E402
+from flashinfer_jit.mqa_logits_tma import TmaConfig  # noqa: E402
 
 
 def main() -> None:
@@ -40,8 +42,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.variant and args.variant.startswith("tma,"):
-        w, s, producers, qbuf, p = (int(x) for x in args.variant.split(",")[1:])
-        mq._config_override = ("tma", w, s, producers, qbuf, p)
+        mq._config_override = TmaConfig(*(int(x) for x in args.variant.split(",")[1:]))
     elif args.variant:
         w, s, p, r = (int(x) for x in args.variant.split(","))
         mq._config_override = (w, s, bool(p), bool(r))
