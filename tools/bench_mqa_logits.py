@@ -1,6 +1,6 @@
 """Benchmark fp8_paged_mqa_logits on the GPU against the byte floor and DeepGEMM's figures.
 
-    python tools/bench_mqa_logits.py [--quick | --lean] [--reps N]
+    python tools/bench_mqa_logits.py [--quick | --lean | --sweep | --power] [--reps N]
 
 Inputs follow ../shared/FACTS.md's DeepGEMM table: head_dim 128, block 64 (plus block 32
 and 128 comparisons at two rows), seq lens uniform in [0.7 L, L], a shuffled KV pool, fp32
@@ -9,14 +9,18 @@ against a float64 reference on a few requests and then timed with CUDA events ar
 eager call (internal output allocation, like DeepGEMM's), median over many reps, rotating
 enough input sets that the KV pool does not sit in L2. For the small rows the host cost of
 one call (perf_counter around the call, GPU idle) and the CUDA-graph replay time are
-measured too. The summary table prints last.
+measured too. The summary table prints last. --sweep compares TMA configs, PDL and the
+kernel's timing probes per call in a graph; --power shows the SM clock, power and
+clock-event reasons while the kernel and its probes run back to back.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -319,6 +323,83 @@ def sweep(reps: int) -> None:
         print(f"| {batch} | {next_n} | {heads} | {length} | {floor:.1f} | {cells} |")
 
 
+SMI_QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+POWER_ROWS = [(128, 3, 64, 16384), (64, 2, 64, 65536), (256, 1, 64, 8192)]
+
+
+def _smi() -> str:
+    done = subprocess.run(
+        ["nvidia-smi", f"--query-gpu={SMI_QUERY}", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+    )
+    return (done.stdout or done.stderr).strip()
+
+
+def sustained(sets, max_len, seconds: float = 2.0) -> tuple[float, list[str]]:
+    """Per call (us) while a graph of 8 calls replays back to back for `seconds`, and
+    nvidia-smi's SM clock, power, temperature and clock-event reasons at 1/2 and 3/4 of it
+    (reason 0x4: the software power cap)."""
+    outs = [
+        torch.empty(s[0].shape[0] * s[0].shape[1], mq.padded_seq_len(max_len), device="cuda")
+        for s in sets[:8]
+    ]
+
+    def calls() -> None:
+        for (q, kv, w, table, lens), out in zip(sets[:8], outs, strict=True):
+            mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len, out=out)
+
+    calls()  # compile and load before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    samples: list[str] = []
+
+    def sample() -> None:
+        time.sleep(seconds / 2)
+        samples.append(_smi())
+        time.sleep(seconds / 4)
+        samples.append(_smi())
+
+    sampler = threading.Thread(target=sample)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sampler.start()
+    t0, replays = time.time(), 0
+    start.record()
+    while time.time() - t0 < seconds:
+        for _ in range(20):
+            graph.replay()
+        replays += 20
+        torch.cuda.current_stream().synchronize()  # keep the queue short
+    end.record()
+    end.synchronize()
+    sampler.join()
+    return start.elapsed_time(end) * 1e3 / (replays * len(outs)), samples
+
+
+def power(_reps: int) -> None:
+    """What bounds the compute-heavy rows: the SM clock and power while the dispatcher's
+    kernel and its probes run back to back (one variant at a time)."""
+    warm_gpu()
+    gen = torch.Generator().manual_seed(0)
+    variants = [None, *(("auto", {"probe": p}) for p in (1, 2, 3))]
+    print(f"idle: {_smi()}  ({SMI_QUERY})")
+    print("| B | next_n | H | L | variant | us per call | clock, power, temp, reasons (x2) |")
+    for batch, next_n, heads, length in POWER_ROWS:
+        sets = [make_set(batch, next_n, heads, length, 64, gen) for _ in range(8)]
+        for v in variants:
+            set_variant(v, next_n * heads)
+            try:
+                us, samples = sustained(sets, length)
+            finally:
+                set_variant(None, next_n * heads)
+            cells = " / ".join(samples)
+            print(f"| {batch} | {next_n} | {heads} | {length} | {vname(v)} | {us:.1f} | {cells} |")
+        del sets
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=200)
@@ -336,7 +417,16 @@ def main() -> None:
         action="store_true",
         help="the TMA kernel's config grid, timed as CUDA-graph replays (kernel time, no host)",
     )
+    parser.add_argument(
+        "--power",
+        action="store_true",
+        help="SM clock, power and clock-event reasons while the kernel and its probes run back "
+        "to back (nvidia-smi)",
+    )
     args = parser.parse_args()
+    if args.power:
+        power(args.reps)
+        return
     if args.sweep:
         sweep(args.reps)
         return
