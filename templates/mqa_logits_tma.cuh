@@ -151,10 +151,11 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   if (threadIdx.x == WGS * 128)
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&kv_map)) : "memory");
 
-  fij::grid_dependency_wait();  // everything above touches parameters and registers only
+  ring_init(full0, empty0, STAGES);
+  fij::grid_dependency_wait();  // everything above touches parameters and shared memory only
   fij::grid_dependents_launch();
   cta_tiles<WGS * 128 + 32 * PRODUCERS>(schedule, seq_lens, sl_stride, batch, red, sched);
-  ring_init(full0, empty0, STAGES);  // (synchronizes the block: sched is visible)
+  __syncthreads();  // sched is visible
   const int len = sched[2];
   if ((int)threadIdx.x >= WGS * 128) {
     ring_produce(meta, full0, empty0, STAGES, BLOCK, sched,
