@@ -170,6 +170,16 @@ class LoadedKernel:
             )
         )
 
+    def global_buffer(self, name: str) -> tuple[int, int]:
+        """(device address, bytes) of the module's ``__device__`` variable ``name`` (how a
+        tool reads the buffer an instrumented kernel writes)."""
+        from cuda.bindings import driver
+
+        ptr, size = _check(
+            driver.cuLibraryGetGlobal(self._library, name.encode()), f"{self.name}: {name}"
+        )
+        return int(ptr), int(size)
+
     def num_regs(self) -> int:
         """Registers per thread of the compiled kernel."""
         from cuda.bindings import driver

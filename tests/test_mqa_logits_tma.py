@@ -5,6 +5,9 @@ prefetch across many requests)."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -210,3 +213,17 @@ def test_gpu_tma_probe_streams_without_writing(monkeypatch):
     mq.fp8_paged_mqa_logits(q, kv, w, table, seq, max_len, out=out)
     torch.cuda.synchronize()
     assert torch.isnan(out).all()
+
+
+def test_trace_tool_instruments_the_shipped_kernel(tmp_path):
+    """tools/trace_mqa_logits.py patches anchors of the TMA template: they must still be
+    there (each exactly once) and the traced kernel must compile."""
+    path = Path(__file__).resolve().parents[1] / "tools" / "trace_mqa_logits.py"
+    spec = importlib.util.spec_from_file_location("trace_mqa_logits", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    family = tool.traced_family(tmp_path / "templates")
+    f32 = torch.float32
+    kernel = family.spec((1, 64, 128, 64, f32, f32, f32, *tma_config(64)))
+    cubin = compile_cubin(render(kernel, family.builder.template_root), "sm_90a").cubin
+    assert b"fij_trace" in cubin
