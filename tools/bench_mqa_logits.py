@@ -194,22 +194,31 @@ def time_graph(sets, max_len, reps):
     return statistics.median(times)
 
 
-def time_graph_calls(sets, max_len, reps):
-    """Per call inside one captured graph holding one call per input set (back to back, as
-    a serving step's graph runs them): kernel time + the in-graph launch gap, without the
-    graph launch itself (~9 us for an empty op's graph on the H200 machine)."""
+def graph_of_calls(sets, max_len) -> tuple[torch.cuda.CUDAGraph, int]:
+    """One captured graph holding one call (out=, schedule_meta=None) per input set, up to
+    8, back to back as a serving step's graph runs them; and its number of calls."""
     outs = [
         torch.empty(s[0].shape[0] * s[0].shape[1], mq.padded_seq_len(max_len), device="cuda")
         for s in sets[:8]
     ]
-    for (q, kv, w, table, lens), out in zip(sets[:8], outs, strict=True):
-        mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len, out=out)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+
+    def calls() -> None:
         for (q, kv, w, table, lens), out in zip(sets[:8], outs, strict=True):
             mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len, out=out)
-    return _event_us(g.replay, max(10, reps // 4)) / len(outs)
+
+    calls()  # compile and load before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    return graph, len(outs)
+
+
+def time_graph_calls(sets, max_len, reps):
+    """Per call inside graph_of_calls: kernel time + the in-graph launch gap, without the
+    graph launch itself (~9 us for an empty op's graph on the H200 machine)."""
+    graph, calls = graph_of_calls(sets, max_len)
+    return _event_us(graph.replay, max(10, reps // 4)) / calls
 
 
 def floor_us(sets, next_n):
@@ -342,20 +351,7 @@ def sustained(sets, max_len, seconds: float = 2.0) -> tuple[float, list[str]]:
     """Per call (us) while a graph of 8 calls replays back to back for `seconds`, and
     nvidia-smi's SM clock, power, temperature and clock-event reasons at 1/2 and 3/4 of it
     (reason 0x4: the software power cap)."""
-    outs = [
-        torch.empty(s[0].shape[0] * s[0].shape[1], mq.padded_seq_len(max_len), device="cuda")
-        for s in sets[:8]
-    ]
-
-    def calls() -> None:
-        for (q, kv, w, table, lens), out in zip(sets[:8], outs, strict=True):
-            mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len, out=out)
-
-    calls()  # compile and load before the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
+    graph, calls = graph_of_calls(sets, max_len)
     samples: list[str] = []
 
     def sample() -> None:
@@ -377,7 +373,7 @@ def sustained(sets, max_len, seconds: float = 2.0) -> tuple[float, list[str]]:
     end.record()
     end.synchronize()
     sampler.join()
-    return start.elapsed_time(end) * 1e3 / (replays * len(outs)), samples
+    return start.elapsed_time(end) * 1e3 / (replays * calls), samples
 
 
 def power(_reps: int) -> None:
