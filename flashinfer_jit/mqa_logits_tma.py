@@ -135,7 +135,9 @@ def kv_tensor_map(kv_ptr: int, num_blocks: int, block_size: int) -> bytes:
         [u32(1), u32(1), u32(1)],
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        # 128, not 256: the tiles are whole 128-byte rows, and 256-byte promotion slowed
+        # the streaming by 5-8 % on the H200 (BENCHMARKS.md, MQA round 7).
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     )
     if int(err) != 0:

@@ -95,7 +95,8 @@ def test_gpu_generic_serves_when_jit_disabled(monkeypatch):
     monkeypatch.setattr(mq, "_force_generic", False)
     monkeypatch.setenv("FLASHINFER_JIT_DISABLE", "1")  # no specialization for this geometry
     run_and_check([300, 1, 129, 0], device="cuda", next_n=2, heads=20, dim=64, block_size=32)
-    assert any(p[4] == (2, 20, 64, 32, p[4][4]) for p in mq._plans.values() if p[4])
+    generic = [p for p in mq._plans.values() if "generic" in p[0].name]
+    assert any(p[4][:4] == (2, 20, 64, 32) for p in generic)  # its runtime geometry
 
 
 @pytest.mark.gpu
