@@ -174,14 +174,14 @@ def host_us(sets, max_len, reps):
 
 def time_graph(sets, max_len, reps):
     """Replay time of a captured call (out= and schedule_meta=None), one graph per set."""
-    graphs = []
+    graphs, outs = [], []  # each output lives as long as its graph (a capture frees the cache)
     for q, kv, w, table, lens in sets[:8]:
-        out = torch.empty(q.shape[0] * q.shape[1], mq.padded_seq_len(max_len), device="cuda")
-        mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len, out=out)
+        outs.append(torch.empty(q.shape[0] * q.shape[1], mq.padded_seq_len(max_len), device="cuda"))
+        mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len, out=outs[-1])
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len, out=out)
+            mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len, out=outs[-1])
         graphs.append(g)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
@@ -194,9 +194,11 @@ def time_graph(sets, max_len, reps):
     return statistics.median(times)
 
 
-def graph_of_calls(sets, max_len) -> tuple[torch.cuda.CUDAGraph, int]:
+def graph_of_calls(sets, max_len) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
     """One captured graph holding one call (out=, schedule_meta=None) per input set, up to
-    8, back to back as a serving step's graph runs them; and its number of calls."""
+    8, back to back as a serving step's graph runs them; and the outputs it writes (one per
+    call), which the caller keeps while it replays the graph: entering a capture empties
+    torch's cache, so a freed output would leave the graph writing unmapped memory."""
     outs = [
         torch.empty(s[0].shape[0] * s[0].shape[1], mq.padded_seq_len(max_len), device="cuda")
         for s in sets[:8]
@@ -211,14 +213,14 @@ def graph_of_calls(sets, max_len) -> tuple[torch.cuda.CUDAGraph, int]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         calls()
-    return graph, len(outs)
+    return graph, outs
 
 
 def time_graph_calls(sets, max_len, reps):
     """Per call inside graph_of_calls: kernel time + the in-graph launch gap, without the
     graph launch itself (~9 us for an empty op's graph on the H200 machine)."""
-    graph, calls = graph_of_calls(sets, max_len)
-    return _event_us(graph.replay, max(10, reps // 4)) / calls
+    graph, outs = graph_of_calls(sets, max_len)
+    return _event_us(graph.replay, max(10, reps // 4)) / len(outs)
 
 
 def floor_us(sets, next_n):
@@ -351,7 +353,7 @@ def sustained(sets, max_len, seconds: float = 2.0) -> tuple[float, list[str]]:
     """Per call (us) while a graph of 8 calls replays back to back for `seconds`, and
     nvidia-smi's SM clock, power, temperature and clock-event reasons at 1/2 and 3/4 of it
     (reason 0x4: the software power cap)."""
-    graph, calls = graph_of_calls(sets, max_len)
+    graph, outs = graph_of_calls(sets, max_len)
     samples: list[str] = []
 
     def sample() -> None:
@@ -373,7 +375,7 @@ def sustained(sets, max_len, seconds: float = 2.0) -> tuple[float, list[str]]:
     end.record()
     end.synchronize()
     sampler.join()
-    return start.elapsed_time(end) * 1e3 / (replays * calls), samples
+    return start.elapsed_time(end) * 1e3 / (replays * len(outs)), samples
 
 
 def power(_reps: int) -> None:

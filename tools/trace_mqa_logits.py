@@ -100,11 +100,12 @@ def _spread(values) -> str:
     return f"{v[0]:7.2f} {statistics.median(v):7.2f} {v[-1]:7.2f}"
 
 
-def trace_call(family: KernelFamily, shape: tuple, seed: int) -> dict[int, float]:
+def trace_call(family: KernelFamily, shape: tuple, seed: int, probe: int) -> dict[int, float]:
     """Trace one graph of 8 calls; print its phases; return {SM: first tile -> end, µs}."""
     batch, next_n, heads, length = shape
     gen = torch.Generator().manual_seed(seed)
     sets = [bench.make_set(batch, next_n, heads, length, 64, gen) for _ in range(8)]
+    bench.set_variant(("auto", {"probe": probe}) if probe else None, next_n * heads)
     untraced = bench.time_graph_calls(sets, length, 40)
     original = mq.tma_family
     mq.tma_family = family
@@ -119,6 +120,7 @@ def trace_call(family: KernelFamily, shape: tuple, seed: int) -> dict[int, float
         (err,) = driver.cuMemcpyDtoH(trace.data_ptr(), ptr, size)
         assert int(err) == 0, err
     finally:
+        bench.set_variant(None, next_n * heads)
         mq.tma_family = original
         mq._plans.clear()
         mq._replays.clear()
@@ -139,7 +141,8 @@ def trace_call(family: KernelFamily, shape: tuple, seed: int) -> dict[int, float
         return (x / 1000).tolist()
 
     print(
-        f"\n== B={batch} next_n={next_n} H={heads} L={length} seed {seed}: {untraced:.1f} us per call"
+        f"\n== B={batch} next_n={next_n} H={heads} L={length} seed {seed}"
+        f"{f' probe {probe}' if probe else ''}: {untraced:.1f} us per call"
         f" in a graph of 8 ({traced:.1f} traced); the traced call spans {(end.max() - t0) / 1e3:.2f} us"
     )
     print("   phase, us (min / median / max over CTAs)")
@@ -152,6 +155,21 @@ def trace_call(family: KernelFamily, shape: tuple, seed: int) -> dict[int, float
     print(f"   end, from the first CTA's      {_spread(us(end - t0))}")
     print(f"   tiles                          {_spread(tr[:, 4].tolist())}")
     print(f"   SM clock, GHz                  {_spread(ghz.tolist())}")
+    # Traced tile arrivals over time, from the last grid-dependency wait's end: how fast the
+    # call's KV arrives (all of it when each warpgroup has at most TILES tiles).
+    arrivals_all = torch.stack(
+        [tr[:, 16 + 48 * w : 16 + 48 * w + 2 * TILES : 2] for w in range(wgs)], 1
+    )
+    reached = torch.arange(TILES)[None, None, :] < tiles[:, :, None]  # slots of this call
+    got, traced_tiles = arrivals_all[reached], int(reached.sum())
+    release = tr[:, 2].max()
+    steps = [
+        (float((got <= release + 1000 * k).sum()) / max(1, traced_tiles)) for k in range(0, 21)
+    ]
+    print(
+        "   tiles arrived by 0, 1, 2, ... us after the last wait ends, %: "
+        + " ".join(f"{100 * x:.0f}" for x in steps)
+    )
     c = int(end.argmax())
     print(
         f"   critical CTA {c} (SM {int(tr[c, 5])}): (arrival-done) us of its first {TILES} tiles per warpgroup"
@@ -160,7 +178,8 @@ def trace_call(family: KernelFamily, shape: tuple, seed: int) -> dict[int, float
         cells = []
         for o in range(min(TILES, int(tiles[c, w]))):
             a, d = tr[c, 16 + 48 * w + 2 * o], tr[c, 17 + 48 * w + 2 * o]
-            cells.append(f"{(a - t0) / 1e3:.2f}-{(d - t0) / 1e3:.2f}")
+            done = "" if probe == 1 else f"-{(d - t0) / 1e3:.2f}"  # the probe finishes no tile
+            cells.append(f"{(a - t0) / 1e3:.2f}{done}")
         print(f"     wg{w}: " + " ".join(cells))
     return dict(zip(tr[busy, 5].long().tolist(), us((end - first)[busy]), strict=True))
 
@@ -180,12 +199,15 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--runs", type=int, default=1, help="runs, each with new inputs")
+    parser.add_argument(
+        "--probe", type=int, default=0, help="trace the kernel's timing probe (1: streaming only)"
+    )
     args = parser.parse_args()
     shape = (args.batch, args.next_n, args.heads, args.length)
     bench.warm_gpu()
     with tempfile.TemporaryDirectory() as tmp:
         family = traced_family(Path(tmp) / "templates")
-        per_sm = [trace_call(family, shape, seed) for seed in range(args.runs)]
+        per_sm = [trace_call(family, shape, seed, args.probe) for seed in range(args.runs)]
     for i in range(1, len(per_sm)):
         rho = _rank_correlation(per_sm[0], per_sm[i])
         print(f"rank correlation of the SMs' first-tile-to-end times, run 0 vs run {i}: {rho:.2f}")
