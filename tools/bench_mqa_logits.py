@@ -91,6 +91,14 @@ def vname(v) -> str:
     return f"{kind}{'-mma' if v[2] else ''}{v[0]}x{v[1] or 'max'}"
 
 
+def add_shape_args(parser: argparse.ArgumentParser, batch: int) -> None:
+    """--batch, --next-n, --heads, --length: one row's shape, for the tools that run one."""
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--next-n", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--length", type=int, default=8192)
+
+
 def make_set(batch, next_n, heads, length, block, gen, device="cuda", shuffle=True):
     lens = torch.randint(int(0.7 * length), length + 1, (batch,), generator=gen, dtype=torch.int32)
     need = (lens + block - 1) // block

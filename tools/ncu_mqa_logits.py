@@ -30,10 +30,7 @@ from flashinfer_jit.mqa_logits_tma import TmaConfig  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--next-n", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=64)
-    parser.add_argument("--length", type=int, default=8192)
+    bench.add_shape_args(parser, batch=256)
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument(
         "--variant",

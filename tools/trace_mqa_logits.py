@@ -105,13 +105,13 @@ def trace_call(family: KernelFamily, shape: tuple, seed: int, probe: int) -> dic
     batch, next_n, heads, length = shape
     gen = torch.Generator().manual_seed(seed)
     sets = [bench.make_set(batch, next_n, heads, length, 64, gen) for _ in range(8)]
-    bench.set_variant(("auto", {"probe": probe}) if probe else None, next_n * heads)
-    untraced = bench.time_graph_calls(sets, length, 40)
     original = mq.tma_family
-    mq.tma_family = family
-    mq._plans.clear()
-    mq._replays.clear()
     try:
+        bench.set_variant(("auto", {"probe": probe}) if probe else None, next_n * heads)
+        untraced = bench.time_graph_calls(sets, length, 40)
+        mq.tma_family = family
+        mq._plans.clear()
+        mq._replays.clear()
         traced = bench.time_graph_calls(sets, length, 40)  # the last call's trace survives
         ptr, size = next(iter(family._loaded.values())).global_buffer("fij_trace")
         trace = torch.empty(size // 8, dtype=torch.int64)
@@ -163,9 +163,7 @@ def trace_call(family: KernelFamily, shape: tuple, seed: int, probe: int) -> dic
     reached = torch.arange(TILES)[None, None, :] < tiles[:, :, None]  # slots of this call
     got, traced_tiles = arrivals_all[reached], int(reached.sum())
     release = tr[:, 2].max()
-    steps = [
-        (float((got <= release + 1000 * k).sum()) / max(1, traced_tiles)) for k in range(0, 21)
-    ]
+    steps = [float((got <= release + 1000 * k).sum()) / max(1, traced_tiles) for k in range(21)]
     print(
         "   tiles arrived by 0, 1, 2, ... us after the last wait ends, %: "
         + " ".join(f"{100 * x:.0f}" for x in steps)
@@ -194,10 +192,7 @@ def _rank_correlation(a: dict[int, float], b: dict[int, float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--next-n", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=64)
-    parser.add_argument("--length", type=int, default=8192)
+    bench.add_shape_args(parser, batch=32)
     parser.add_argument("--runs", type=int, default=1, help="runs, each with new inputs")
     parser.add_argument(
         "--probe", type=int, default=0, help="trace the kernel's timing probe (1: streaming only)"
