@@ -53,6 +53,7 @@ from .mqa_logits_tma import (
     TMA_DIM,
     TmaConfig,
     kv_tensor_map,
+    small_work,
     tma_config,
     tma_family,
     tma_smem_bytes,
@@ -86,7 +87,7 @@ _logits_family = kernel_family(
     "mqa_logits.cuh",
     "fij_mqa::paged_mqa_logits",
     (*_PARAMS, "warpgroups", "stages", "portable", "ring"),
-    ("P", "P", "P", "P", "q", "P", "q", "P", "P", "q", "i"),
+    ("P", "P", "P", "P", "q", "P", "q", "P", "P", "q", "i", "i"),
 )
 
 # (warpgroups, stages, portable, ring) forced by tools/bench_mqa_logits.py and the tests
@@ -169,10 +170,10 @@ def _tma_eligible(dim: int, device: int) -> bool:
     return _config_override is None and dim == TMA_DIM and capability(device) == (9, 0)
 
 
-def _tma_plan(geometry, dtypes, device: int) -> tuple:
+def _tma_plan(geometry, dtypes, device: int, small: int, kv_evict_first: int) -> tuple:
     _, next_n, heads, dim, block_size = geometry
     n = next_n * heads
-    config = _config_override if isinstance(_config_override, TmaConfig) else tma_config(n)
+    config = _config_override if isinstance(_config_override, TmaConfig) else tma_config(n, small)
     if config.stages == 0:
         config = config._replace(
             stages=tma_stages(n, config.warpgroups, config.producers, config.qbuf)
@@ -187,15 +188,16 @@ def _tma_plan(geometry, dtypes, device: int) -> tuple:
         return (kv_tensor_map(kv_ptr, kv_fused.shape[0], block_size),)
 
     grid = (sm_count(device), 1, 1)
-    return kernel, grid, (threads, 1, 1), smem, (), kv_map, PDL
+    return kernel, grid, (threads, 1, 1), smem, (kv_evict_first,), kv_map, PDL
 
 
-def _specialized_plan(geometry, dtypes, device: int) -> tuple:
+def _specialized_plan(geometry, dtypes, device: int, small: int, kv_evict_first: int) -> tuple:
     """The TMA kernel where it applies and can be had, else the ring/direct kernel."""
     _, next_n, heads, dim, block_size = geometry
     if _tma_eligible(dim, device):
         try:
-            return _launchable(_tma_plan(geometry, dtypes, device), "TMA kernel")
+            plan = _tma_plan(geometry, dtypes, device, small, kv_evict_first)
+            return _launchable(plan, "TMA kernel")
         except KernelUnavailable as exc:
             log.info("fp8_paged_mqa_logits: TMA kernel unavailable for %s (%s)", geometry, exc)
     params = _params(next_n, heads, dim, block_size, *dtypes)
@@ -203,23 +205,28 @@ def _specialized_plan(geometry, dtypes, device: int) -> tuple:
     warpgroups, stages, _, ring = params[7:11]
     smem = kernel_smem(next_n * heads, dim, warpgroups, stages, ring)
     threads = 128 * warpgroups + (32 if ring else 0)  # the ring kernel's producer warp
-    plan = (kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, (), None, False)
+    grid = (sm_count(device), 1, 1)
+    plan = (kernel, grid, (threads, 1, 1), smem, (kv_evict_first,), None, False)
     return _launchable(plan, kernel.name)
 
 
-def _plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int) -> tuple:
+def _plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int, max_seq_len: int) -> tuple:
     """(kernel, grid, block, smem, extra args, kv args, programmatic) of the kernel that
-    serves: the TMA kernel (sm_90, head_dim 128), else the ring/direct specialization, else
-    the generic kernel. ``extra`` is appended to every launch's arguments; ``kv args``, when
+    serves: the TMA kernel (sm_90, head_dim 128; its config for small calls when
+    mqa_logits_tma.small_work says so), else the ring/direct specialization, else the generic
+    kernel. ``extra`` is appended to every launch's arguments; ``kv args``, when
     not None, maps (kv_fused address, kv_fused) to the per-pool arguments appended after
     them; ``programmatic``: launch as a programmatic dependent launch (the kernel waits for
-    the preceding grid itself)."""
+    the preceding grid itself). Small calls stream their KV with an L2 evict-first policy
+    (the kernels' kv_evict_first argument, see KvPolicy in templates/mqa_logits_ring.cuh)."""
+    small = small_work(geometry[0], max_seq_len, sm_count(device))
     key = (
         geometry,
         output_dtype,
         epi_dtype,
         acc_dtype,
         device,
+        small,
         _config_override,
         _force_generic,
         PDL,
@@ -227,13 +234,15 @@ def _plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int) -> tuple:
     plan = _plans.get(key)
     if plan is None:
         dtypes = (output_dtype, epi_dtype, acc_dtype)
+        evict = int(small > 0)
         if _force_generic:
-            plan = _launchable(generic_plan(geometry, *dtypes, device, "forced"), "generic kernel")
+            plan = generic_plan(geometry, *dtypes, device, "forced", evict)
+            plan = _launchable(plan, "generic kernel")
         else:
             try:
-                plan = _specialized_plan(geometry, dtypes, device)
+                plan = _specialized_plan(geometry, dtypes, device, small, evict)
             except KernelUnavailable as exc:
-                plan = generic_plan(geometry, *dtypes, device, str(exc))
+                plan = generic_plan(geometry, *dtypes, device, str(exc), evict)
                 plan = _launchable(plan, "generic kernel")
         _plans.put(key, plan)
     return plan
@@ -245,7 +254,7 @@ def _launch(
 ) -> Launch:  # fmt: skip
     """Launch; return the launch (what a repeat call replays)."""
     device = cuda_device_index(q)
-    plan = _plan(geometry, output_dtype, epi_dtype, acc_dtype, device)
+    plan = _plan(geometry, output_dtype, epi_dtype, acc_dtype, device, max_seq_len)
     launch = Launch(plan, device, q, weights, block_tables, seq_lens, out, max_seq_len)
     launch.run(q, kv_fused, weights, block_tables, seq_lens, schedule, out)  # aligned: refusal
     return launch
@@ -267,8 +276,10 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
         geometry = (int(next_n), int(heads), int(dim), int(block))
         dtypes = (dtype[out_dt], dtype[epi_dt], dtype[acc_dt])
         specs.add(_logits_family.spec(_params(*geometry, *dtypes)))
-        if geometry[2] == TMA_DIM:  # sm_90a's kernel (the spec names its arch)
-            specs.add(tma_family.spec((*geometry, *dtypes, *tma_config(next_n * heads))))
+        if geometry[2] == TMA_DIM:  # sm_90a's kernels (the spec names its arch)
+            for small in range(3):  # the classes of mqa_logits_tma.small_work
+                config = tma_config(next_n * heads, small)
+                specs.add(tma_family.spec((*geometry, *dtypes, *config)))
     return sorted(specs, key=str)
 
 

@@ -26,11 +26,13 @@ generic_family = kernel_family(
     "mqa_logits_generic.cuh",
     "fij_mqa::paged_mqa_logits_generic",
     ("output_dtype", "epi_dtype", "acc_dtype"),
-    ("P", "P", "P", "P", "q", "P", "q", "P", "P", "q", "i", "i", "i", "i", "i", "i"),
+    ("P", "P", "P", "P", "q", "P", "q", "P", "P", "q", "i", "i", "i", "i", "i", "i", "i"),
 )
 
 
-def generic_plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int, why: str) -> tuple:
+def generic_plan(
+    geometry, output_dtype, epi_dtype, acc_dtype, device: int, why: str, kv_evict_first: int
+) -> tuple:
     """The launch plan (see mqa_logits._plan) of the generic kernel for this call."""
     _, next_n, heads, dim, block_size = geometry
     stages = ring_stages(GENERIC_ROWS, dim, GENERIC_WARPGROUPS)
@@ -40,7 +42,7 @@ def generic_plan(geometry, output_dtype, epi_dtype, acc_dtype, device: int, why:
     log.info("fp8_paged_mqa_logits: generic kernel for %s (%s)", geometry, why)
     smem = ring_smem_bytes(GENERIC_ROWS, dim, GENERIC_WARPGROUPS, stages)
     threads = 128 * GENERIC_WARPGROUPS + 32
-    extra = (next_n, heads, dim, block_size, stages)
+    extra = (kv_evict_first, next_n, heads, dim, block_size, stages)
     return kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, extra, None, False
 
 

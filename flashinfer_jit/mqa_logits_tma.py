@@ -39,7 +39,7 @@ tma_family = kernel_family(
         "qbuf",
         "probe",
     ),
-    ("P", "P", "P", "P", "q", "P", "q", "P", "P", "q", "i", "M"),
+    ("P", "P", "P", "P", "q", "P", "q", "P", "P", "q", "i", "i", "M"),
     archs=("sm_90a",),
 )
 
@@ -89,8 +89,26 @@ def tma_threads(warpgroups: int, producers: int) -> int:
     return 128 * warpgroups + 32 * producers
 
 
-def tma_config(n: int) -> TmaConfig:
-    """The configuration for next_n*num_heads = n.
+# Tiles per SM at most (an upper bound from max_seq_len) of the small-call classes 1 and 2.
+SMALL_WORK_TILES_PER_SM = (32, 16)
+
+
+def small_work(batch: int, max_seq_len: int, num_sms: int) -> int:
+    """How small a call is: 2 with at most 16 tiles per SM, 1 with at most 32, else 0. The
+    tiles are bounded from max_seq_len: the host does not read seq_lens."""
+    tiles = batch * -(-max_seq_len // TILE)
+    return sum(tiles <= per_sm * num_sms for per_sm in SMALL_WORK_TILES_PER_SM)
+
+
+def tma_config(n: int, small: int = 0) -> TmaConfig:
+    """The configuration for next_n*num_heads = n (``small``: the class of small_work).
+
+    Small calls at n <= 64, and the smallest at n = 128, take two warpgroups with the
+    deepest ring that fits (11-12 stages each), not four with 4: a ring that holds most of
+    a CTA's tiles, and half the Q loads. On the H200, per call in a graph of 8 (BENCHMARKS.md,
+    MQA round 8): B=32 L=8192 n=64 12.1 against 13.3 us, n=32 11.9 against 12.8; B=16 n=128
+    10.2 against 10.8. No better at 62 tiles per SM, nor at n=128 with 31 (15.5 against
+    15.0) or n=192.
 
     Measured on the H200 (tools/bench_mqa_logits.py --sweep): consumers are latency-bound,
     so the most warpgroups (at most 4) whose accumulators fit the block's register cap;
@@ -99,6 +117,8 @@ def tma_config(n: int) -> TmaConfig:
     2 ring stages per warpgroup (n=128: 83.7 vs 88.0 us with one buffer and 4 stages per
     warpgroup at B=256, next_n=2), else one.
     """
+    if (small and n <= 64) or (small >= 2 and n == 128):
+        return TmaConfig(2, tma_stages(n, 2, 2, 2), 2, 2)
     for warpgroups in (4, 3, 2, 1):
         producers = warpgroups
         if tma_regs(n) > reg_cap(tma_threads(warpgroups, producers)):

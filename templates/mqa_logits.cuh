@@ -42,7 +42,8 @@ paged_mqa_logits(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS
                  const int* __restrict__ block_tables, long long bt_stride,
                  const int* __restrict__ seq_lens, long long sl_stride,
                  const int* __restrict__ schedule,          // [gridDim.x + 1, 2] or nullptr
-                 OutT* __restrict__ out, long long out_stride, int batch) {
+                 OutT* __restrict__ out, long long out_stride, int batch,
+                 int kv_evict_first) {  // the ring's KV L2 policy (KvPolicy); the direct form reads plainly
   constexpr int N = NEXT_N * HEADS;
   constexpr int THREADS = WGS * 128 + (RING ? 32 : 0);
   constexpr int WORDS = DIM / 16;  // A-fragment words per token row per thread
@@ -68,7 +69,8 @@ paged_mqa_logits(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS
   __syncthreads();
   if constexpr (RING) {
     ring_body<NEXT_N, HEADS, DIM, BLOCK, OutT, EpiT, AccT, WGS, STAGES, WGMMA>(
-        smem, sched, q, kv, weights, block_tables, bt_stride, seq_lens, sl_stride, out, out_stride, batch);
+        smem, sched, q, kv, weights, block_tables, bt_stride, seq_lens, sl_stride, out, out_stride, batch,
+        kv_evict_first != 0);
     return;
   }
   const int len = sched[2];

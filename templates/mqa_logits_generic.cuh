@@ -160,6 +160,7 @@ paged_mqa_logits_generic(const unsigned char* __restrict__ q, const unsigned cha
                          const float* __restrict__ weights, const int* __restrict__ block_tables,
                          long long bt_stride, const int* __restrict__ seq_lens, long long sl_stride,
                          const int* __restrict__ schedule, OutT* __restrict__ out, long long out_stride, int batch,
+                         int kv_evict_first,  // the KV stream's L2 policy (KvPolicy)
                          int next_n, int heads, int dim, int block, int stages) {
   constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
   constexpr int ACC_WORDS = F16ACC ? kGenN / 4 : kGenN / 2;
@@ -183,8 +184,8 @@ paged_mqa_logits_generic(const unsigned char* __restrict__ q, const unsigned cha
   ring_init(full0, empty0, stages);  // (synchronizes the block: sched is visible)
   const int len = sched[2];
   if ((int)threadIdx.x >= kGenWgs * 128) {
-    ring_produce(meta, full0, empty0, stages, block, sched, BulkTileCopy{smem, kv, stage_bytes, dim, block},
-                 block_tables, bt_stride, seq_lens, sl_stride, batch);
+    const BulkTileCopy copy{smem, kv, stage_bytes, dim, block, KvPolicy::make(kv_evict_first != 0)};
+    ring_produce(meta, full0, empty0, stages, block, sched, copy, block_tables, bt_stride, seq_lens, sl_stride, batch);
     return;
   }
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;

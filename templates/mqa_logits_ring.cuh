@@ -41,10 +41,31 @@ __device__ __forceinline__ void release_stage(unsigned empty_bar) {
   __syncwarp();
   if ((threadIdx.x & 31) == 0) mbar_arrive(empty_bar);
 }
-__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
+// The L2 policy of the KV stream, chosen by the host per call (the kernels' kv_evict_first
+// argument). A call reads each KV byte once; marking its lines evict-first keeps in L2 what
+// is reused (Q, weights, block tables, the logits the next kernel reads, which are then not
+// written back mid-stream). On the H200 that took small calls 5-8 % faster (B=32, L=8192:
+// 12.9-13.3 to 11.9-12.4 us per call in a graph of 8) but the L=64K rows 1-4 % slower, so
+// the dispatcher asks for it for small calls only (BENCHMARKS.md, MQA round 8).
+struct KvPolicy {
+  unsigned long long policy;  // an L2::evict_first cache policy, when evict_first
+  bool evict_first;
+  static __device__ __forceinline__ KvPolicy make(bool evict_first) {
+    KvPolicy kp{0ull, evict_first};
+    if (evict_first) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(kp.policy));
+    return kp;
+  }
+};
+__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar, KvPolicy kp) {
+  if (kp.evict_first)
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+        ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(kp.policy)
+        : "memory");
+  else
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
 }
 
 // Shared memory of the ring kernel (bytes): stages, per-warpgroup Q and weights, per-stage
@@ -89,6 +110,7 @@ struct BulkTileCopy {
   unsigned char* smem;
   const unsigned char* kv;
   int stage_bytes, dim, block;
+  KvPolicy policy;
   __device__ __forceinline__ void operator()(int s, unsigned bar, int blk0, int blk1, int t, bool two) const {
     const int kbytes = kTile * dim;
     const long long block_bytes = (long long)block * (dim + 4);
@@ -97,16 +119,16 @@ struct BulkTileCopy {
     if (block >= kTile) {
       const int part = t % (block / kTile);  // which 64-token half of a 128-token block
       mbar_arrive_tx(bar, stage_bytes);
-      bulk_copy(dst, base + part * kbytes, kbytes, bar);
-      bulk_copy(dst + kbytes, base + block * dim + part * kTile * 4, kTile * 4, bar);
+      bulk_copy(dst, base + part * kbytes, kbytes, bar, policy);
+      bulk_copy(dst + kbytes, base + block * dim + part * kTile * 4, kTile * 4, bar, policy);
     } else {  // 32-token blocks: the second may not exist at the end of a request
       mbar_arrive_tx(bar, two ? stage_bytes : stage_bytes / 2);
-      bulk_copy(dst, base, block * dim, bar);
-      bulk_copy(dst + kbytes, base + block * dim, block * 4, bar);
+      bulk_copy(dst, base, block * dim, bar, policy);
+      bulk_copy(dst + kbytes, base + block * dim, block * 4, bar, policy);
       if (two) {
         const unsigned char* base1 = kv + (long long)blk1 * block_bytes;
-        bulk_copy(dst + block * dim, base1, block * dim, bar);
-        bulk_copy(dst + kbytes + block * 4, base1 + block * dim, block * 4, bar);
+        bulk_copy(dst + block * dim, base1, block * dim, bar, policy);
+        bulk_copy(dst + kbytes + block * 4, base1 + block * dim, block * 4, bar, policy);
       }
     }
   }
@@ -187,7 +209,8 @@ __device__ __forceinline__ void ring_body(unsigned char* smem, const int* sched,
                                           const unsigned char* __restrict__ kv, const float* __restrict__ weights,
                                           const int* __restrict__ block_tables, long long bt_stride,
                                           const int* __restrict__ seq_lens, long long sl_stride,
-                                          OutT* __restrict__ out, long long out_stride, int batch) {
+                                          OutT* __restrict__ out, long long out_stride, int batch,
+                                          bool kv_evict_first) {
   constexpr int N = NEXT_N * HEADS;
   constexpr int WORDS = DIM / 16;
   constexpr int KBYTES = kTile * DIM;
@@ -206,8 +229,8 @@ __device__ __forceinline__ void ring_body(unsigned char* smem, const int* sched,
   const int len = sched[2];
   const int lane = threadIdx.x & 31;
   if ((int)threadIdx.x >= WGS * 128) {
-    ring_produce(meta, full0, empty0, STAGES, BLOCK, sched, BulkTileCopy{smem, kv, L::kStage, DIM, BLOCK},
-                 block_tables, bt_stride, seq_lens, sl_stride, batch);
+    const BulkTileCopy copy{smem, kv, L::kStage, DIM, BLOCK, KvPolicy::make(kv_evict_first)};
+    ring_produce(meta, full0, empty0, STAGES, BLOCK, sched, copy, block_tables, bt_stride, seq_lens, sl_stride, batch);
     return;
   }
 

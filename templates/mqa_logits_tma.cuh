@@ -34,12 +34,21 @@ struct alignas(64) TensorMap {
   unsigned long long words[16];
 };
 
-__device__ __forceinline__ void tma_load_rows(unsigned dst, const TensorMap* map, int row, int block, unsigned bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
-      "[%5];" ::"r"(dst),
-      "l"(reinterpret_cast<unsigned long long>(map)), "r"(0), "r"(row), "r"(block), "r"(bar)
-      : "memory");
+__device__ __forceinline__ void tma_load_rows(unsigned dst, const TensorMap* map, int row, int block, unsigned bar,
+                                              KvPolicy kp) {
+  const unsigned long long m = reinterpret_cast<unsigned long long>(map);
+  if (kp.evict_first)
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, "
+        "{%2, %3, %4}], [%5], %6;" ::"r"(dst),
+        "l"(m), "r"(0), "r"(row), "r"(block), "r"(bar), "l"(kp.policy)
+        : "memory");
+  else
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];" ::"r"(dst),
+        "l"(m), "r"(0), "r"(row), "r"(block), "r"(bar)
+        : "memory");
 }
 __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
@@ -84,6 +93,7 @@ struct TmaTileCopy {
   const TensorMap* map;
   const unsigned char* kv;
   unsigned vals0, scales0;
+  KvPolicy policy;
   __device__ __forceinline__ void operator()(int s, unsigned bar, int blk0, int blk1, int t, bool two) const {
     constexpr long long kBlockBytes = (long long)BLOCK * (128 + 4);
     const unsigned vdst = vals0 + s * (kTile * 128), sdst = scales0 + s * (kTile * 4);
@@ -91,15 +101,15 @@ struct TmaTileCopy {
     if constexpr (BLOCK >= kTile) {
       const int part = t % (BLOCK / kTile);
       mbar_arrive_tx(bar, kTile * 132);
-      tma_load_rows(vdst, map, part * kTile, blk0, bar);
-      bulk_copy(sdst, scales + part * kTile * 4, kTile * 4, bar);
+      tma_load_rows(vdst, map, part * kTile, blk0, bar, policy);
+      bulk_copy(sdst, scales + part * kTile * 4, kTile * 4, bar, policy);
     } else {
       mbar_arrive_tx(bar, (two ? 2 : 1) * BLOCK * 132);
-      tma_load_rows(vdst, map, 0, blk0, bar);
-      bulk_copy(sdst, scales, BLOCK * 4, bar);
+      tma_load_rows(vdst, map, 0, blk0, bar, policy);
+      bulk_copy(sdst, scales, BLOCK * 4, bar, policy);
       if (two) {
-        tma_load_rows(vdst + BLOCK * 128, map, 0, blk1, bar);
-        bulk_copy(sdst + BLOCK * 4, kv + (long long)blk1 * kBlockBytes + BLOCK * 128, BLOCK * 4, bar);
+        tma_load_rows(vdst + BLOCK * 128, map, 0, blk1, bar, policy);
+        bulk_copy(sdst + BLOCK * 4, kv + (long long)blk1 * kBlockBytes + BLOCK * 128, BLOCK * 4, bar, policy);
       }
     }
   }
@@ -129,6 +139,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
                      const int* __restrict__ seq_lens, long long sl_stride,
                      const int* __restrict__ schedule,          // [gridDim.x + 1, 2] or nullptr
                      OutT* __restrict__ out, long long out_stride, int batch,
+                     int kv_evict_first,                        // the KV stream's L2 policy (KvPolicy)
                      const __grid_constant__ TensorMap kv_map) {  // the pool's fp8 values, see above
   constexpr int N = NEXT_N * HEADS;
   constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
@@ -158,9 +169,9 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   __syncthreads();  // sched is visible
   const int len = sched[2];
   if ((int)threadIdx.x >= WGS * 128) {
-    ring_produce(meta, full0, empty0, STAGES, BLOCK, sched,
-                 TmaTileCopy<BLOCK>{&kv_map, kv, base, base + L::kScales}, block_tables, bt_stride, seq_lens,
-                 sl_stride, batch, (threadIdx.x - WGS * 128) >> 5, PRODUCERS);
+    const TmaTileCopy<BLOCK> copy{&kv_map, kv, base, base + L::kScales, KvPolicy::make(kv_evict_first != 0)};
+    ring_produce(meta, full0, empty0, STAGES, BLOCK, sched, copy, block_tables, bt_stride, seq_lens, sl_stride, batch,
+                 (threadIdx.x - WGS * 128) >> 5, PRODUCERS);
     return;
   }
 

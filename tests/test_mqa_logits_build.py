@@ -13,6 +13,7 @@ from flashinfer_jit.mqa_logits import (
     fp8_paged_mqa_logits,
     padded_seq_len,
 )
+from flashinfer_jit.mqa_logits_tma import tma_config
 
 from .test_mqa_logits import (
     _args,
@@ -58,11 +59,16 @@ def test_prebuild_specs_cover_workloads():
         len(workloads[k]) for k in ("next_n", "num_heads", "head_dim", "block_size", "output_dtype")
     )
     # Every workload point has its ring/direct kernel (every arch) and, at head_dim 128, the
-    # TMA kernel, which is built for sm_90a only.
+    # TMA kernel, which is built for sm_90a only, in each config its small-call classes take
+    # (mqa_logits_tma.tma_config).
+    pairs = [(n, h) for n in workloads["next_n"] for h in workloads["num_heads"]]
+    configs = [{tma_config(n * h, small) for small in range(3)} for n, h in pairs]
+    small = sum(len(c) - 1 for c in configs) * shapes // len(pairs)
+    assert small > 0
     tma = [s for s in specs if s.family == "mqa_logits_tma"]
-    assert len(tma) == shapes and all(s.archs == ("sm_90a",) for s in tma)
+    assert len(tma) == shapes + small and all(s.archs == ("sm_90a",) for s in tma)
     assert not any(s.supports("sm_100a") for s in tma)
-    assert len(specs) == 1 + 8 + 2 * shapes
+    assert len(specs) == 1 + 8 + 2 * shapes + small
     assert all("portable=False" in lbl for lbl in labels if lbl.startswith("mqa_logits["))
 
 

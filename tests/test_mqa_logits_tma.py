@@ -16,6 +16,7 @@ from flashinfer_jit._jit import BUILDER
 from flashinfer_jit.mqa_logits_checks import SMEM_LIMIT, STATIC_SMEM, reg_cap
 from flashinfer_jit.mqa_logits_tma import (
     TmaConfig,
+    small_work,
     tma_config,
     tma_family,
     tma_regs,
@@ -98,7 +99,7 @@ def test_dispatch_picks_the_tma_kernel_where_it_applies(
     monkeypatch.setattr(mq, "capability", lambda device: cap)
     monkeypatch.setattr(mq, "_config_override", override)
     f32 = torch.float32
-    plan = mq._plan((256, 2, 64, dim, 64), f32, f32, f32, 0)
+    plan = mq._plan((256, 2, 64, dim, 64), f32, f32, f32, 0, 8192)
     assert got[-1][0] == family
     if family == "mqa_logits_tma":
         config = tma_config(128) if override is None else override._replace(stages=got[-1][1][8])
@@ -113,22 +114,50 @@ def test_dispatch_picks_the_tma_kernel_where_it_applies(
         assert plan[6] is False  # these kernels do not wait for the preceding grid
 
 
+def test_small_calls_take_two_deep_warpgroups():
+    assert small_work(32, 8192, 132) == 1 and small_work(16, 8192, 132) == 2
+    assert small_work(1, 65536, 132) == 2 and small_work(64, 8192, 132) == 0
+    assert small_work(33, 8192, 132) == 1 and small_work(34, 8192, 132) == 0  # 32 per SM
+    assert small_work(16, 8320, 132) == 2 and small_work(17, 8192, 132) == 1  # 16 per SM
+    for n in (32, 64):
+        assert tma_config(n, 1) == tma_config(n, 2) == TmaConfig(2, 24 if n == 32 else 22, 2, 2)
+    assert tma_config(128, 1) == tma_config(128) and tma_config(128, 2) == TmaConfig(2, 18, 2, 2)
+    for n in (192, 256):  # measured no better
+        assert tma_config(n, 1) == tma_config(n, 2) == tma_config(n)
+
+
+@pytest.mark.parametrize("max_seq_len,warpgroups", [(8192, 2), (16384, 4)])
+def test_dispatch_plans_small_calls_apart(picked, monkeypatch, max_seq_len, warpgroups):
+    """The config follows max_seq_len (its class is part of the plan key), not only the shapes."""
+    got, _ = picked
+    monkeypatch.setattr(mq, "capability", lambda device: (9, 0))
+    f32 = torch.float32
+    plan = mq._plan((32, 1, 64, 128, 64), f32, f32, f32, 0, max_seq_len)
+    assert got[-1][1][7] == warpgroups
+    assert plan[4] == (int(warpgroups == 2),)  # small calls stream KV evict-first
+    plan = mq._plan((32, 1, 64, 128, 64), f32, f32, f32, 0, 24576 - max_seq_len)  # the other
+    assert len(got) == 2 and got[-1][1][7] == 6 - warpgroups
+    assert plan[4] == (int(warpgroups == 4),)
+
+
 def test_dispatch_falls_back_to_the_ring_when_the_tma_kernel_is_missing(picked, monkeypatch):
     got, tma_missing = picked
     tma_missing()
     monkeypatch.setattr(mq, "capability", lambda device: (9, 0))
     f32 = torch.float32
-    plan = mq._plan((256, 1, 64, 128, 64), f32, f32, f32, 0)
+    plan = mq._plan((256, 1, 64, 128, 64), f32, f32, f32, 0, 8192)
     assert [f for f, _ in got] == ["mqa_logits_tma", "mqa_logits"]
     assert plan[5] is None
 
 
 # -- GPU ----------------------------------------------------------------------------------
 # TmaConfig(warpgroups, stages, producer warps, Q buffers); "no_pdl": the dispatcher's
-# config launched without PDL.
+# config launched without PDL; "large": the dispatcher's config for calls that are not
+# small (the tests' inputs are: auto takes the small-call configs, mqa_logits_tma.tma_config).
 TMA_VARIANTS = {
     "auto": None,
     "no_pdl": None,
+    "large": None,
     "tma_1x3": TmaConfig(1, 3, 1, 2),  # a 3-stage ring: wraps every third tile
     "tma_2x4p2q1": TmaConfig(2, 4, 2, 1),  # two producer warps, one Q buffer
     "tma_3x6p3q1": TmaConfig(3, 6, 3, 1),  # three warpgroups, one Q buffer
@@ -146,6 +175,8 @@ def tma_variant(request, monkeypatch):
         pytest.skip("the TMA kernel runs on sm_90 only")
     monkeypatch.setattr(mq, "_config_override", TMA_VARIANTS[request.param])
     monkeypatch.setattr(mq, "PDL", request.param != "no_pdl")
+    if request.param == "large":
+        monkeypatch.setattr(mq, "small_work", lambda batch, max_seq_len, num_sms: 0)
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a fallback to torch would hide a kernel bug
     return request.param
 
@@ -184,7 +215,7 @@ def _one_cta_schedule(batch: int) -> torch.Tensor:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "tma_variant", ["auto", "tma_1x3", "tma_2x4p2q1", "tma_3x6p3q1"], indirect=True
+    "tma_variant", ["auto", "large", "tma_1x3", "tma_2x4p2q1", "tma_3x6p3q1"], indirect=True
 )
 @pytest.mark.parametrize("next_n,heads,block_size", [(1, 64, 64), (2, 64, 32), (1, 32, 128)])
 def test_gpu_tma_one_cta_walks_everything(tma_variant, next_n, heads, block_size):

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashinfer_jit.mqa_logits as mq  # noqa: E402
-from flashinfer_jit.mqa_logits_tma import TmaConfig, tma_config  # noqa: E402
+from flashinfer_jit.mqa_logits_tma import TmaConfig, small_work, tma_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_util import warm_gpu  # noqa: E402
@@ -236,11 +236,17 @@ def floor_us(sets, next_n):
     return tokens * (D + 4 + 4 * next_n) / BW * 1e6
 
 
-def set_variant(v, n: int) -> None:
-    """Force variant v (see VARIANTS) for next_n*heads = n."""
+def auto_config(batch: int, next_n: int, heads: int, length: int) -> TmaConfig:
+    """The dispatcher's TMA config for a row (mqa_logits_tma.small_work decides)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return tma_config(next_n * heads, small_work(batch, length, sms))
+
+
+def set_variant(v, shape: tuple[int, int, int, int]) -> None:
+    """Force variant v (see VARIANTS) for a row's shape (batch, next_n, heads, length)."""
     mq._config_override, mq._force_generic, mq.PDL = None, v == "generic", v != "no-pdl"
     if isinstance(v, tuple) and v[0] == "auto":  # the dispatcher's TMA config, modified
-        mq._config_override = tma_config(n)._replace(**v[1])
+        mq._config_override = auto_config(*shape)._replace(**v[1])
     elif isinstance(v, tuple):
         mq._config_override = v
 
@@ -251,7 +257,7 @@ def run_row(batch, next_n, heads, length, block, reps, variants, gen, timer=None
     sets = [make_set(batch, next_n, heads, length, block, gen) for _ in range(n_sets)]
     results = {}
     for v in variants:
-        set_variant(v, next_n * heads)
+        set_variant(v, (batch, next_n, heads, length))
         try:
             if isinstance(v, tuple) and not isinstance(mq._config_override, TmaConfig):
                 f32 = torch.float32  # a forced ring/direct config that cannot fit
@@ -278,7 +284,7 @@ def run_row(batch, next_n, heads, length, block, reps, variants, gen, timer=None
             print(f"  [{batch},{next_n},{heads},{length},blk{block}] {vname(v)} failed: {exc!r}")
             traceback.print_exc(limit=2)
         finally:
-            set_variant(None, next_n * heads)
+            set_variant(None, (batch, next_n, heads, length))
     return sets, results
 
 
@@ -397,11 +403,11 @@ def power(_reps: int) -> None:
     for batch, next_n, heads, length in POWER_ROWS:
         sets = [make_set(batch, next_n, heads, length, 64, gen) for _ in range(8)]
         for v in variants:
-            set_variant(v, next_n * heads)
+            set_variant(v, (batch, next_n, heads, length))
             try:
                 us, samples = sustained(sets, length)
             finally:
-                set_variant(None, next_n * heads)
+                set_variant(None, (batch, next_n, heads, length))
             cells = " / ".join(samples)
             print(f"| {batch} | {next_n} | {heads} | {length} | {vname(v)} | {us:.1f} | {cells} |")
         del sets

@@ -107,7 +107,7 @@ def trace_call(family: KernelFamily, shape: tuple, seed: int, probe: int) -> dic
     sets = [bench.make_set(batch, next_n, heads, length, 64, gen) for _ in range(8)]
     original = mq.tma_family
     try:
-        bench.set_variant(("auto", {"probe": probe}) if probe else None, next_n * heads)
+        bench.set_variant(("auto", {"probe": probe}) if probe else None, shape)
         untraced = bench.time_graph_calls(sets, length, 40)
         mq.tma_family = family
         mq._plans.clear()
@@ -120,13 +120,13 @@ def trace_call(family: KernelFamily, shape: tuple, seed: int, probe: int) -> dic
         (err,) = driver.cuMemcpyDtoH(trace.data_ptr(), ptr, size)
         assert int(err) == 0, err
     finally:
-        bench.set_variant(None, next_n * heads)
+        bench.set_variant(None, shape)
         mq.tma_family = original
         mq._plans.clear()
         mq._replays.clear()
     ctas = torch.cuda.get_device_properties(0).multi_processor_count
     tr = trace.view(-1, SLOTS)[:ctas].double()
-    wgs = mq.tma_config(next_n * heads).warpgroups
+    wgs = bench.auto_config(*shape).warpgroups
     t0 = tr[:, 0].min()
     end = tr[:, 8 : 8 + wgs].max(1).values
     # Slots a warpgroup did not reach in the last call may hold an earlier call's times:
