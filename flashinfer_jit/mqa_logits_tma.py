@@ -104,7 +104,7 @@ def tma_config(n: int, small: int = 0) -> TmaConfig:
     """The configuration for next_n*num_heads = n (``small``: the class of small_work).
 
     Small calls at n <= 64, and the smallest at n = 128, take two warpgroups with the
-    deepest ring that fits (11-12 stages each), not four with 4: a ring that holds most of
+    deepest ring that fits (9-12 stages each), not four with 2-5: a ring that holds most of
     a CTA's tiles, and half the Q loads. On the H200, per call in a graph of 8 (BENCHMARKS.md,
     MQA round 8): B=32 L=8192 n=64 12.1 against 13.3 us, n=32 11.9 against 12.8; B=16 n=128
     10.2 against 10.8. No better at 62 tiles per SM, nor at n=128 with 31 (15.5 against

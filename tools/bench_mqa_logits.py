@@ -35,7 +35,7 @@ from flashinfer_jit.mqa_logits_tma import TmaConfig, small_work, tma_config  # n
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_util import warm_gpu  # noqa: E402
 
-from jit_kernels import KernelUnavailable  # noqa: E402
+from jit_kernels import KernelUnavailable, sm_count  # noqa: E402
 
 BW = 4.24e12  # measured device-to-device copy bandwidth (bytes read + written per second)
 D = 128
@@ -238,8 +238,7 @@ def floor_us(sets, next_n):
 
 def auto_config(batch: int, next_n: int, heads: int, length: int) -> TmaConfig:
     """The dispatcher's TMA config for a row (mqa_logits_tma.small_work decides)."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return tma_config(next_n * heads, small_work(batch, length, sms))
+    return tma_config(next_n * heads, small_work(batch, length, sm_count(0)))
 
 
 def set_variant(v, shape: tuple[int, int, int, int]) -> None:
