@@ -76,11 +76,13 @@ def tma_smem_bytes(n: int, warpgroups: int, stages: int, qbuf: int) -> int:
     return stages * (_VALUES + TILE * 4 + 32) + warpgroups * qbuf * per_buffer + 1024
 
 
-def tma_stages(n: int, warpgroups: int, producers: int, qbuf: int) -> int:
-    """The most stages (a multiple of the warpgroups and of the producer warps, capped)
-    that fit beside the Q buffers."""
+def tma_stages(
+    n: int, warpgroups: int, producers: int, qbuf: int, cap: int = TMA_MAX_STAGES
+) -> int:
+    """The most stages, at most ``cap`` (a multiple of the warpgroups and of the producer
+    warps), that fit beside the Q buffers."""
     free = SMEM_LIMIT - STATIC_SMEM - tma_smem_bytes(n, warpgroups, 0, qbuf)
-    stages = max(0, min(TMA_MAX_STAGES, free // (_VALUES + TILE * 4 + 32)))
+    stages = max(0, min(cap, free // (_VALUES + TILE * 4 + 32)))
     unit = math.lcm(warpgroups, producers)
     return stages // unit * unit
 
@@ -100,31 +102,43 @@ def small_work(batch: int, max_seq_len: int, num_sms: int) -> int:
     return sum(tiles <= per_sm * num_sms for per_sm in SMALL_WORK_TILES_PER_SM)
 
 
+# Ring depth (64-token stages): 8-10 (68-85 KB of reads in flight per SM, what HBM's
+# latency under load needs) stream the pool fastest; small calls 6 (see tma_config).
+RING_STAGES = 10  # at most, in any config tma_config picks
+SMALL_CONFIG = TmaConfig(2, 6, 2, 2)  # small calls at n <= 64, and the smallest at n = 128
+NARROW_CONFIG = TmaConfig(3, 9, 3, 2)  # the other calls at n <= 64
+
+
 def tma_config(n: int, small: int = 0) -> TmaConfig:
     """The configuration for next_n*num_heads = n (``small``: the class of small_work).
 
-    Small calls at n <= 64, and the smallest at n = 128, take two warpgroups with the
-    deepest ring that fits (9-12 stages each), not four with 2-5: a ring that holds most of
-    a CTA's tiles, and half the Q loads. On the H200, per call in a graph of 8 (BENCHMARKS.md,
-    MQA round 8): B=32 L=8192 n=64 12.1 against 13.3 us, n=32 11.9 against 12.8; B=16 n=128
-    10.2 against 10.8. No better at 62 tiles per SM, nor at n=128 with 31 (15.5 against
-    15.0) or n=192.
+    Ring depth, measured on the H200 (per call in a graph of 8, BENCHMARKS.md, MQA round 9):
+    a ring deeper than about 10 stages queues more reads than HBM's latency needs, and
+    the calls were slower, most (8-9 %) at 47-62 tiles per SM. At n=64 with 4 warpgroups x 16
+    stages against 3 x 9: B=256 L=8192 66.3 against 64.8 us, B=64 21.6 against 19.8, B=32
+    L=16384 22.0 against 20.1; at B=32 L=8192, 2 x 22 against 2 x 6: 12.0 against 11.4.
 
-    Measured on the H200 (tools/bench_mqa_logits.py --sweep): consumers are latency-bound,
-    so the most warpgroups (at most 4) whose accumulators fit the block's register cap;
-    one producer warp per warpgroup (warp p feeds warpgroup p, so one slow warpgroup does
-    not hold up the others' stages); two Q buffers (prefetch) while that leaves at least
-    2 ring stages per warpgroup (n=128: 83.7 vs 88.0 us with one buffer and 4 stages per
-    warpgroup at B=256, next_n=2), else one.
+    - Small calls at n <= 64, and the smallest at n = 128: SMALL_CONFIG, two warpgroups
+      with 3 stages each (half the Q loads of more warpgroups).
+    - Other calls at n <= 64: NARROW_CONFIG, three warpgroups with 9 stages (four with 8
+      read ~1 % slower).
+    - Larger n: the most warpgroups (at most 4) whose accumulators fit the block's register
+      cap, since the consumers are latency-bound; one producer warp per warpgroup (warp p
+      feeds warpgroup p, so one slow warpgroup does not hold up the others' stages); two Q
+      buffers (prefetch) while that leaves at least 2 ring stages per warpgroup, else one
+      (n=128: 83.7 against 88.0 us with one buffer at B=256, next_n=2, round 3); at most
+      RING_STAGES stages. n=128: 4 warpgroups x 8 stages; n=192: 3 x 9.
     """
     if (small and n <= 64) or (small >= 2 and n == 128):
-        return TmaConfig(2, tma_stages(n, 2, 2, 2), 2, 2)
+        return SMALL_CONFIG
+    if n <= 64:
+        return NARROW_CONFIG
     for warpgroups in (4, 3, 2, 1):
         producers = warpgroups
         if tma_regs(n) > reg_cap(tma_threads(warpgroups, producers)):
             continue
         for qbuf in (2, 1):
-            stages = tma_stages(n, warpgroups, producers, qbuf)
+            stages = tma_stages(n, warpgroups, producers, qbuf, RING_STAGES)
             if stages >= 2 * warpgroups:
                 return TmaConfig(warpgroups, stages, producers, qbuf)
     raise KernelUnavailable(f"next_n*num_heads={n} does not fit the TMA kernel")

@@ -15,6 +15,9 @@ import flashinfer_jit.mqa_logits as mq
 from flashinfer_jit._jit import BUILDER
 from flashinfer_jit.mqa_logits_checks import SMEM_LIMIT, STATIC_SMEM, reg_cap
 from flashinfer_jit.mqa_logits_tma import (
+    NARROW_CONFIG,
+    RING_STAGES,
+    SMALL_CONFIG,
     TmaConfig,
     small_work,
     tma_config,
@@ -114,19 +117,27 @@ def test_dispatch_picks_the_tma_kernel_where_it_applies(
         assert plan[6] is False  # these kernels do not wait for the preceding grid
 
 
-def test_small_calls_take_two_deep_warpgroups():
+def test_small_calls_take_two_shallow_warpgroups():
     assert small_work(32, 8192, 132) == 1 and small_work(16, 8192, 132) == 2
     assert small_work(1, 65536, 132) == 2 and small_work(64, 8192, 132) == 0
     assert small_work(33, 8192, 132) == 1 and small_work(34, 8192, 132) == 0  # 32 per SM
     assert small_work(16, 8320, 132) == 2 and small_work(17, 8192, 132) == 1  # 16 per SM
-    for n in (32, 64):
-        assert tma_config(n, 1) == tma_config(n, 2) == TmaConfig(2, 24 if n == 32 else 22, 2, 2)
-    assert tma_config(128, 1) == tma_config(128) and tma_config(128, 2) == TmaConfig(2, 18, 2, 2)
+    for n in (8, 32, 64):
+        assert tma_config(n, 1) == tma_config(n, 2) == SMALL_CONFIG == TmaConfig(2, 6, 2, 2)
+        assert tma_config(n) == NARROW_CONFIG == TmaConfig(3, 9, 3, 2)
+    assert tma_config(128, 1) == tma_config(128) == TmaConfig(4, 8, 4, 2)
+    assert tma_config(128, 2) == SMALL_CONFIG
     for n in (192, 256):  # measured no better
         assert tma_config(n, 1) == tma_config(n, 2) == tma_config(n)
 
 
-@pytest.mark.parametrize("max_seq_len,warpgroups", [(8192, 2), (16384, 4)])
+@pytest.mark.parametrize("n", [8, *SHIPPED_N, 256])
+def test_rings_stay_shallow(n):
+    """No config queues more than RING_STAGES tiles per SM (deeper rings streamed slower)."""
+    assert all(tma_config(n, small).stages <= RING_STAGES for small in range(3))
+
+
+@pytest.mark.parametrize("max_seq_len,warpgroups", [(8192, 2), (16384, 3)])
 def test_dispatch_plans_small_calls_apart(picked, monkeypatch, max_seq_len, warpgroups):
     """The config follows max_seq_len (its class is part of the plan key), not only the shapes."""
     got, _ = picked
@@ -136,8 +147,8 @@ def test_dispatch_plans_small_calls_apart(picked, monkeypatch, max_seq_len, warp
     assert got[-1][1][7] == warpgroups
     assert plan[4] == (int(warpgroups == 2),)  # small calls stream KV evict-first
     plan = mq._plan((32, 1, 64, 128, 64), f32, f32, f32, 0, 24576 - max_seq_len)  # the other
-    assert len(got) == 2 and got[-1][1][7] == 6 - warpgroups
-    assert plan[4] == (int(warpgroups == 4),)
+    assert len(got) == 2 and got[-1][1][7] == 5 - warpgroups
+    assert plan[4] == (int(warpgroups == 3),)
 
 
 def test_dispatch_falls_back_to_the_ring_when_the_tma_kernel_is_missing(picked, monkeypatch):
