@@ -198,26 +198,28 @@ __device__ __forceinline__ void tile_store(const unsigned* acc_u, const W& wts, 
   const float* acc_f = reinterpret_cast<const float*>(acc_u);
   // f32 epilogue: two independent FMA chains per (t, row), summed at the end (ILP).
   float part[NEXT_N][2], part_b[NEXT_N][2];
-  unsigned short hpart[NEXT_N][2];
+  // f16 epilogue: per (t, row) one half2 chain over the column pairs (a fused multiply-add
+  // of both columns per instruction), its halves added at the end.
+  unsigned hacc[NEXT_N][2];
 #pragma unroll
   for (int t = 0; t < NEXT_N; ++t) {
     part[t][0] = part[t][1] = part_b[t][0] = part_b[t][1] = 0.f;
-    hpart[t][0] = hpart[t][1] = 0;
+    hacc[t][0] = hacc[t][1] = 0u;
   }
 #pragma unroll
   for (int i = 0; i < N / 8; ++i) {
     const int t_lo = (i * 8) / HEADS, t_hi = (i * 8 + 7) / HEADS;
     const bool low = (i * 8 + tig * 2) < (t_lo + 1) * HEADS;  // which t this thread's pair is in
     const float2 w = wts.get2(i);
+    const unsigned w2 = F16EPI ? pack_h2(w.x, w.y) : 0u;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if constexpr (F16EPI) {
         const unsigned x = F16ACC ? acc_u[2 * i + r] : pack_h2(acc_f[4 * i + 2 * r], acc_f[4 * i + 2 * r + 1]);
-        const unsigned short y = hsum2(hfma2(hrelu2(x), pack_h2(w.x, w.y), 0u));
         if (t_lo == t_hi || low)
-          hpart[t_lo][r] = hadd(hpart[t_lo][r], y);
+          hacc[t_lo][r] = hfma2(hrelu2(x), w2, hacc[t_lo][r]);
         else
-          hpart[t_hi][r] = hadd(hpart[t_hi][r], y);
+          hacc[t_hi][r] = hfma2(hrelu2(x), w2, hacc[t_hi][r]);
       } else {
         const float x0 = F16ACC ? h2_lo(acc_u[2 * i + r]) : acc_f[4 * i + 2 * r];
         const float x1 = F16ACC ? h2_hi(acc_u[2 * i + r]) : acc_f[4 * i + 2 * r + 1];
@@ -254,7 +256,7 @@ __device__ __forceinline__ void tile_store(const unsigned* acc_u, const W& wts, 
   if constexpr (F16EPI) {
     unsigned v[V], res[(V + 2) / 4];
 #pragma unroll
-    for (int i = 0; i < V; ++i) v[i] = hpart[i >> 1][i & 1];
+    for (int i = 0; i < V; ++i) v[i] = hsum2(hacc[i >> 1][i & 1]);
     quad_reduce_scatter<V>(v, res, tig, [](unsigned x, unsigned y) {
       return (unsigned)hadd((unsigned short)x, (unsigned short)y);
     });
