@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import shutil
@@ -14,25 +13,13 @@ from pathlib import Path
 from jit_kernels import CubinCache, target_archs
 from jit_kernels.prebuild import BuildTask, build_all, build_native
 
-from ._jit import BUILDER, TEMPLATE_ROOT, WORKLOAD_ROOT
+from ._jit import BUILDER, TEMPLATE_ROOT
 from ._version import __version__
-
-# CLI op name -> module; each exposes WORKLOADS (a file in workloads/) and prebuild_specs().
-OPS = {
-    "mla_kv_pack": "flashinfer_jit.mla_kv_pack",
-    "mqa_logits": "flashinfer_jit.mqa_logits",
-    "qsa": "flashinfer_jit.qsa",
-}
+from .registry import OPS
 
 
 def _split(text: str | None) -> list[str]:
     return [s.strip() for s in (text or "").split(",") if s.strip()]
-
-
-def _workloads(op: str, module, override: dict[str, dict]) -> dict:
-    if op in override:
-        return override[op]
-    return json.loads((WORKLOAD_ROOT / module.WORKLOADS).read_text())
 
 
 def _tasks(ops: list[str], archs: tuple[str, ...], workload_file: str | None) -> list[BuildTask]:
@@ -44,10 +31,11 @@ def _tasks(ops: list[str], archs: tuple[str, ...], workload_file: str | None) ->
         override[data["op"]] = data
         ops = [data["op"]] if not ops else ops
     tasks = []
-    for op in ops:
-        module = importlib.import_module(OPS[op])
-        for spec in module.prebuild_specs(_workloads(op, module, override)):
-            tasks += [BuildTask(op, spec, arch) for arch in archs if spec.supports(arch)]
+    for name in ops:
+        op = OPS[name]
+        workloads = override[name] if name in override else op.load_workloads()
+        for spec in op.prebuild_specs(workloads, op.default.options):
+            tasks += [BuildTask(name, spec, arch) for arch in archs if spec.supports(arch)]
     return tasks
 
 

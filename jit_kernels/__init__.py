@@ -9,7 +9,10 @@ from .arch import (
     arch_for_capability,
     capability,
     device_arch,
+    device_smem_per_block,
+    shipped_smem_per_block,
     sm_count,
+    smem_per_block,
     target_archs,
 )
 from .build import KernelBuilder
@@ -19,11 +22,21 @@ from .dispatch import FallbackError, fall_back, kernels_disabled, validate_input
 from .family import KernelFamily, KernelUnavailable
 from .launch import ArgPacker, LaunchError, LoadedKernel, current_stream
 from .occupancy import max_active_clusters
+from .params import F32, I32, I64, PTR, TENSOR_MAP, U32, Param, Signature, struct
 from .render import RenderedSource, render
 from .spec import KernelSpec
 
 __all__ = [
     "DEFAULT_OFFLINE_ARCHS",
+    "F32",
+    "I32",
+    "I64",
+    "PTR",
+    "TENSOR_MAP",
+    "U32",
+    "Param",
+    "Signature",
+    "struct",
     "ArgPacker",
     "CompileError",
     "CompiledKernel",
@@ -43,13 +56,16 @@ __all__ = [
     "current_stream",
     "default_cache_root",
     "device_arch",
+    "device_smem_per_block",
     "fall_back",
     "kernels_disabled",
     "max_active_clusters",
     "nvrtc_version",
     "prebuilt_roots",
     "render",
+    "shipped_smem_per_block",
     "sm_count",
+    "smem_per_block",
     "target_archs",
     "validate_inputs",
 ]

@@ -10,6 +10,12 @@ import torch
 DEFAULT_OFFLINE_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 ARCH_ENV = "FLASHINFER_JIT_ARCHS"
 
+# Opt-in dynamic shared memory one block may use, per compute capability (CUDA C++
+# Programming Guide, "Technical Specifications per Compute Capability"). Launch configs
+# are sized from this table, not from the device, so prebuild (no GPU) picks the configs
+# a device will ask for; a GPU test checks the table against ``device_smem_per_block``.
+_SMEM_PER_BLOCK = {(8, 9): 101376, (9, 0): 232448, (10, 0): 232448, (10, 3): 232448}
+
 
 def arch_for_capability(major: int, minor: int) -> str:
     """The compile target that uses every feature of a compute capability.
@@ -33,6 +39,28 @@ def capability(device_index: int) -> tuple[int, int]:
 def sm_count(device_index: int) -> int:
     """A device's multiprocessor count, memoized: persistent grids size from it per call."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def device_smem_per_block(device_index: int) -> int:
+    """The opt-in shared memory per block a device reports, memoized."""
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def smem_per_block(arch: str) -> int:
+    """Opt-in dynamic shared memory per block on ``arch`` (e.g. ``sm_90a``): what a launch
+    config may use there."""
+    digits = arch.removeprefix("sm_").rstrip("af")
+    major, minor = int(digits[:-1]), int(digits[-1])
+    if (major, minor) not in _SMEM_PER_BLOCK:
+        raise KeyError(f"no shared-memory limit known for {arch}")
+    return _SMEM_PER_BLOCK[(major, minor)]
+
+
+def shipped_smem_per_block(archs: tuple[str, ...] = DEFAULT_OFFLINE_ARCHS) -> int:
+    """The shared memory a launch config may use to fit every arch in ``archs`` (the
+    package ships one config per call shape for all of them)."""
+    return min(smem_per_block(arch) for arch in archs)
 
 
 def device_arch(device: int | torch.device) -> str:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from .arch import device_arch
 from .build import KernelBuilder
 from .launch import ArgPacker, LoadedKernel
+from .params import Param, codes
 from .spec import KernelSpec, ParamValue
 
 JIT_DISABLE_ENV = "FLASHINFER_JIT_DISABLE"
@@ -23,7 +24,8 @@ class KernelFamily:
 
     ``get(params, device)`` is the hot path: one dict lookup once the specialization
     is loaded on that device. ``params`` are the template arguments in ``param_names``
-    order. The argument ``signature`` is shared by every specialization.
+    order. The kernel's parameter list ``signature`` (typed, ``jit_kernels.params``) is
+    shared by every specialization.
     """
 
     def __init__(
@@ -33,7 +35,7 @@ class KernelFamily:
         template: str,
         kernel: str,
         param_names: Sequence[str],
-        signature: Sequence[str],
+        signature: Sequence[Param],
         compiler: str = "nvrtc",
         archs: Sequence[str] = (),
     ):
@@ -42,7 +44,10 @@ class KernelFamily:
         self.param_names = tuple(param_names)
         self.compiler = compiler
         self.archs = tuple(archs)
-        self.packer = ArgPacker(signature)
+        self.signature = tuple(signature)
+        if not all(isinstance(p, Param) for p in self.signature):
+            raise TypeError(f"{family}: declare the signature with jit_kernels.params types")
+        self.packer = ArgPacker(codes(self.signature))
         self._loaded: dict[tuple[tuple[ParamValue, ...], int], LoadedKernel] = {}
         self._lock = threading.Lock()
 

@@ -48,7 +48,7 @@ def render(spec: KernelSpec, template_root: Path) -> RenderedSource:
     """Deterministically render ``spec``: same spec and templates, same bytes."""
     if spec.compiler == "cute":
         text = (template_root / spec.template).read_text()
-        return RenderedSource(spec, text, (), spec.template)
+        return RenderedSource(spec, text, (), Path(spec.template).name)
     headers = _read_headers(template_root, spec.template)
     # The translation unit only includes the template; NVRTC instantiates the
     # specialization from the name expression, so the generator fixes parameters only.

@@ -23,3 +23,19 @@ def jit_cache(tmp_path, monkeypatch):
     BUILDER._cache = None
     yield tmp_path / "cache"
     BUILDER._cache = saved
+
+
+@pytest.fixture
+def fresh_replays():
+    """Every op runner's replays empty before and after the test (a test that stubs the
+    kernels must not leave its plans to the next)."""
+    from flashinfer_jit.registry import OPS
+
+    def clear() -> None:
+        for op in OPS.values():
+            for runner in list(op._runners.values()):
+                runner.replays.clear()
+
+    clear()
+    yield
+    clear()

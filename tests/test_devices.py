@@ -7,7 +7,7 @@ import threading
 import pytest
 
 import jit_kernels.family as family_mod
-from jit_kernels import CubinCache, KernelBuilder, KernelFamily, KernelUnavailable
+from jit_kernels import PTR, CubinCache, KernelBuilder, KernelFamily, KernelUnavailable
 
 from .test_engine import TEMPLATES
 
@@ -40,10 +40,10 @@ def two_devices(monkeypatch, tmp_path):
     fam = KernelFamily(
         builder,
         "mla_kv_pack",
-        "mla_kv_pack.cuh",
+        "mla_kv_pack/sm90_warp_cvt.cuh",
         "fij_mla::concat_mla_kv_quant_fp8",
         ("num_heads", "unroll"),
-        ("P",),
+        (PTR,),
     )
     return fam, compiled
 

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 TEMPLATES = REPO / "templates"
 SPEC = KernelSpec(
     "mla_kv_pack",
-    "mla_kv_pack.cuh",
+    "mla_kv_pack/sm90_warp_cvt.cuh",
     "fij_mla::concat_mla_kv_quant_fp8",
     (("num_heads", 0), ("unroll", 4)),
 )
@@ -96,7 +96,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {repo!r})
 from jit_kernels import CubinCache, KernelBuilder, KernelSpec
-spec = KernelSpec("mla_kv_pack", "mla_kv_pack.cuh", "fij_mla::concat_mla_kv_quant_fp8",
+spec = KernelSpec("mla_kv_pack", "mla_kv_pack/sm90_warp_cvt.cuh", "fij_mla::concat_mla_kv_quant_fp8",
                   (("num_heads", 0), ("unroll", 4)))
 root = Path({root!r})
 builder = KernelBuilder(Path({templates!r}), "9.9.9", CubinCache(root, [], "9.9.9"))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_jit.mla_kv_pack import _pack_torch, concat_mla_kv_quant_fp8
+from flashinfer_jit.mla_kv_pack import concat_mla_kv_quant_fp8
+from flashinfer_jit.mla_kv_pack.reference import pack_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +42,7 @@ def _inputs(tokens: int, heads: int, device: str = "cuda"):
 def _torch_reference(kv, pe):
     key = torch.empty(*kv.shape[:2], 192, dtype=torch.float8_e4m3fn, device=kv.device)
     value = torch.empty(*kv.shape[:2], 128, dtype=torch.float8_e4m3fn, device=kv.device)
-    _pack_torch(kv, pe, key, value, 128)
+    pack_torch(kv, pe, key, value, 128)
     return key, value
 
 

@@ -9,17 +9,12 @@ CPU tests cover the composable path; ``gpu`` tests force each fused backend.
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from flashinfer_jit import mla_kv_pack as mkp
-from flashinfer_jit import mla_kv_pack_cake as cake
-from flashinfer_jit.mla_kv_pack import concat_mla_kv_quant_fp8
-from jit_kernels.plan_cache import PlanCache
+from flashinfer_jit.mla_kv_pack import cake, concat_mla_kv_quant_fp8, heuristics
 
 MIN_NORMAL = 2.0**-6
 SUBNORMAL_STEP = 2.0**-9
@@ -277,13 +272,13 @@ def test_env_switch_skips_fused_backends(monkeypatch):
         raise AssertionError("a fused backend ran with the env switch set")
 
     monkeypatch.setenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", "1")
-    monkeypatch.setattr(mkp, "_run_fused", boom)
+    monkeypatch.setattr(mkp.OP, "plan", boom)
     kv, pe = make_inputs(4, 2)
     key, value = concat_mla_kv_quant_fp8(kv, pe)
     assert torch.equal(codes(key), ref_pack(kv, pe)[0])
 
 
-def test_fast_path_dispatch(monkeypatch):
+def test_fast_path_dispatch(monkeypatch, fresh_replays):
     """The fast path replays a cached plan only for the exact signature it was cached
     under, never with the env switch set, and leaves misaligned addresses to the full
     path. (CPU tensors never cache a plan; the test plants one.)"""
@@ -298,15 +293,16 @@ def test_fast_path_dispatch(monkeypatch):
         def __init__(self, ok):
             self.ok = ok
 
-        def launch(self, *ptrs):
-            launched.append(ptrs)
-            return self.ok
+        def run(self, args):
+            launched.append(tuple(t.data_ptr() for t in args[:4]))
+            return (args[2], args[3]) if self.ok else None
 
-    monkeypatch.setattr(mkp, "_replays", PlanCache())
+    runner = mkp.OP.default
+    runner.replays.clear()
     concat_mla_kv_quant_fp8(kv, pe, key, value)
-    assert len(mkp._replays) == 0  # the torch path caches nothing
-    sig = mkp._signature(kv, pe, key, value, 128, "auto")
-    mkp._replays.put(sig, FakePlan(True))
+    assert len(runner.replays) == 0  # the torch path caches nothing
+    sig = runner.key(*runner.inputs((kv, pe, key, value, 128, "auto")))
+    runner.replays.put(sig, FakePlan(True))
     key.view(torch.uint8).zero_()
     assert concat_mla_kv_quant_fp8(kv, pe, key, value) == (key, value)
     assert launched == [(kv.data_ptr(), pe.data_ptr(), key.data_ptr(), value.data_ptr())]
@@ -317,7 +313,7 @@ def test_fast_path_dispatch(monkeypatch):
     concat_mla_kv_quant_fp8(kv, pe, key, value)
     assert len(launched) == 1
     monkeypatch.delenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE")
-    mkp._replays.put(sig, FakePlan(False))  # misaligned: the full path serves
+    runner.replays.put(sig, FakePlan(False))  # misaligned: the full path serves
     key.view(torch.uint8).zero_()
     concat_mla_kv_quant_fp8(kv, pe, key, value)
     assert len(launched) == 2 and torch.equal(codes(key), ref_pack(kv, pe)[0])
@@ -376,7 +372,7 @@ def test_custom_op_fake_and_compile():
     key = torch.empty(8, 3, 192, dtype=torch.float8_e4m3fn)
     value = torch.empty(8, 3, 128, dtype=torch.float8_e4m3fn)
     torch.library.opcheck(
-        mkp._concat_op, (kv, pe, key, value, 128, "auto"), test_utils=("test_faketensor",)
+        mkp.OP.traced, (kv, pe, key, value, 128, "auto"), test_utils=("test_faketensor",)
     )
 
     @torch.compile(backend="aot_eager", fullgraph=True)
@@ -398,7 +394,7 @@ def test_workloads_file_matches_module():
     assert data["op"] == "mla_kv_pack"
     assert max(data["num_heads"]) <= mkp.MAX_HEADS and max(data["num_tokens"]) <= mkp.MAX_TOKENS
     assert (data["max_heads"], data["max_tokens"]) == (mkp.MAX_HEADS, mkp.MAX_TOKENS)
-    specs = mkp.prebuild_specs(data)
+    specs = mkp.OP.prebuild_specs(data, mkp.OP.default.options)
     families = {s.family for s in specs}
     assert families == {"mla_kv_pack", "mla_kv_pack_cake"}
     assert {s.param_dict["head_group"] for s in specs if s.compiler == "cute"} == set(
@@ -410,7 +406,7 @@ def test_plan_head_group_stays_in_the_built_set():
     for heads in range(1, 129):
         pairs = (heads + 1) // 2
         for tokens in (1, 2, 7, 33, 64, 100, 1024, 4096, 16384, 131072):
-            group = cake.plan_head_group(tokens, heads)
+            group = cake.plan_head_group(tokens, heads, 132)
             assert group in cake.HEAD_GROUPS and (group == 1 or group <= pairs)
 
 
@@ -440,28 +436,16 @@ def test_cute_identity_without_the_dsl(monkeypatch):
     assert jc.cute_dsl_version() == jc.CUTE_DSL_PINNED_VERSION
 
 
-def _cuobjdump() -> str | None:
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import nvidia.cu13
-
-        path = os.path.join(list(nvidia.cu13.__path__)[0], "bin", "cuobjdump")
-        return path if os.path.exists(path) else None
-    except ImportError:
-        return None
-
-
-def test_cake_generator_builds_and_matches_launch_signature(tmp_path):
-    """The DSL's parameter layout is the one the launcher packs (sizes and order)."""
+def test_cake_generator_builds():
+    """The generator's constants are the backend's; its parameter list is checked against
+    the declaration with every family's (test_kernel_signatures)."""
     pytest.importorskip("cutlass")
     import importlib.util
 
     from flashinfer_jit._jit import TEMPLATE_ROOT
 
     spec = importlib.util.spec_from_file_location(
-        "_cake_gen", TEMPLATE_ROOT / "mla_kv_pack_cake.py"
+        "_cake_gen", TEMPLATE_ROOT / "mla_kv_pack/sm90_cute_dsl.py"
     )
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
@@ -470,34 +454,11 @@ def test_cake_generator_builds_and_matches_launch_signature(tmp_path):
     assert cubin[:4] == b"\x7fELF" and entry.startswith("kernel_cutlass_")
     with pytest.raises(ValueError, match="head_group"):
         gen.build({"head_group": 3}, "sm_90a")
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump")
-    path = tmp_path / "cake.cubin"
-    path.write_bytes(cubin)
-    elf = subprocess.run([tool, "-elf", str(path)], capture_output=True, text=True).stdout
-    sizes = {}
-    for line in elf.splitlines():
-        if "Ordinal :" in line and "Size" in line:
-            fields = line.replace(":", " ").split()
-            sizes[int(fields[fields.index("Ordinal") + 1], 16)] = int(
-                fields[fields.index("Size") + 1], 16
-            )
-    packer = cake._family.packer
-    widths = {"P": 8, "q": 8, "i": 4}
-
-    def struct_size(codes: str) -> int:
-        size = 0
-        for c in codes:
-            size += -size % widths[c] + widths[c]
-        return size + (-size % max(widths[c] for c in codes))
-
-    assert [sizes[i] for i in range(len(sizes))] == [struct_size(c) for c in packer.signature]
 
 
 # -- measured choices -------------------------------------------------------------------
 def test_tuned_table_nearest_point_and_validation():
-    from flashinfer_jit.mla_kv_pack_tuning import Tuned, block_from_measurements
+    from flashinfer_jit.mla_kv_pack.tuning import Tuned, block_from_measurements
 
     def variant(backend, param, us):
         return {"backend": backend, "param": param, "planned": False, "us": us}
@@ -536,7 +497,7 @@ def test_tuned_table_nearest_point_and_validation():
 
 
 def test_plans_follow_the_tuned_table(monkeypatch):
-    from flashinfer_jit.mla_kv_pack_tuning import Tuned
+    from flashinfer_jit.mla_kv_pack.tuning import Tuned
 
     block = {
         "heads": [16],
@@ -545,11 +506,11 @@ def test_plans_follow_the_tuned_table(monkeypatch):
         "cake_head_group": [[1, 4]],
         "specialized_heads_per_warp": [[2, 16]],
     }
-    monkeypatch.setattr(mkp, "TUNED", Tuned(block, cake.HEAD_GROUPS))
-    assert (mkp.plan_cake(1, 16), mkp.plan_cake(8000, 20)) == (1, 4)
+    monkeypatch.setattr(heuristics, "TUNED", Tuned(block, cake.HEAD_GROUPS))
+    assert (mkp.plan_cake(1, 16, 132), mkp.plan_cake(8000, 20, 132)) == (1, 4)
     assert (mkp.plan_specialized(2, 16), mkp.plan_specialized(9000, 8)) == (2, 8)
-    monkeypatch.setattr(mkp, "TUNED", Tuned(None, cake.HEAD_GROUPS))
-    assert mkp.plan_cake(1, 16) == cake.plan_head_group(1, 16)
+    monkeypatch.setattr(heuristics, "TUNED", Tuned(None, cake.HEAD_GROUPS))
+    assert mkp.plan_cake(1, 16, 132) == cake.plan_head_group(1, 16, 132)
 
 
 def test_auto_policy_per_arch():

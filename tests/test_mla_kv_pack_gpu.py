@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from flashinfer_jit import mla_kv_pack as mkp
-from flashinfer_jit import mla_kv_pack_cake as cake
-from flashinfer_jit.mla_kv_pack import concat_mla_kv_quant_fp8
+from flashinfer_jit.mla_kv_pack import MlaKvPackOptions, cake, concat_mla_kv_quant_fp8
+from flashinfer_jit.mla_kv_pack.op import BACKENDS, Plan
+from flashinfer_jit.mla_kv_pack.reference import pack_torch
 from jit_kernels import FallbackError
 
 from .test_mla_kv_pack import codes, make_inputs, ref_pack
@@ -41,8 +42,14 @@ def poisoned(tokens: int, heads: int, width: int) -> torch.Tensor:
 
 def torch_path(kv, pe):
     key, value = poisoned(*kv.shape[:2], 192), poisoned(*kv.shape[:2], 128)
-    mkp._pack_torch(kv, pe.reshape(kv.shape[0], -1), key, value, 128)
+    pack_torch(kv, pe.reshape(kv.shape[0], -1), key, value, 128)
     return key, value
+
+
+def forced(kv, pe, key, value, backend: str, **plan) -> None:
+    """One call of ``backend`` with a forced plan (MlaKvPackOptions)."""
+    runner = mkp.OP.runner(MlaKvPackOptions(**plan))
+    runner.call(kv_nope=kv, k_pe=pe, key=key, value=value, nope_dim=128, backend=backend)
 
 
 def check(kv, pe, key, value):
@@ -72,12 +79,12 @@ def test_every_plan_variant(heads):
         kv, pe = make_inputs(tokens, heads, device="cuda", seed=tokens + heads)
         for group in cake.HEAD_GROUPS:
             key, value = poisoned(tokens, heads, 192), poisoned(tokens, heads, 128)
-            cake.launch(kv, pe, key, value, head_group=group)
+            forced(kv, pe, key, value, "cake", head_group=group)
             torch.cuda.synchronize()
             check(kv, pe, key, value)
         for per_warp in sorted({1, 3, 4, 8, heads}):
             key, value = poisoned(tokens, heads, 192), poisoned(tokens, heads, 128)
-            mkp._launch_specialized(kv, pe, key, value, heads_per_warp=per_warp)
+            forced(kv, pe, key, value, "specialized", heads_per_warp=per_warp)
             torch.cuda.synchronize()
             check(kv, pe, key, value)
 
@@ -148,8 +155,8 @@ def test_env_switch_forces_torch_path(monkeypatch):
         raise AssertionError("a fused backend ran with the env switch set")
 
     monkeypatch.setenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", "1")
-    monkeypatch.setitem(mkp._FUSED, "specialized", (mkp._specialized_refusal, boom))
-    monkeypatch.setitem(mkp._FUSED, "cake", (cake.refusal, boom))
+    for name, (refusal, _) in BACKENDS.items():
+        monkeypatch.setitem(BACKENDS, name, (refusal, boom))
     kv, pe = make_inputs(64, 16, device="cuda")
     for backend in ("auto", "specialized", "cake"):
         key, value = concat_mla_kv_quant_fp8(kv, pe, backend=backend)
@@ -176,14 +183,15 @@ def test_fast_path_replays_the_plan(backend, monkeypatch):
     """A repeated call replays the cached plan with new addresses; a misaligned one, or
     one with the env switch set, still takes the path that can serve it."""
     tokens, heads = 33, 16
-    mkp._replays.clear()
+    replays = mkp.OP.default.replays
+    replays.clear()
     for seed in (1, 2):
         kv, pe = make_inputs(tokens, heads, device="cuda", seed=seed)
         key, value = poisoned(tokens, heads, 192), poisoned(tokens, heads, 128)
         concat_mla_kv_quant_fp8(kv, pe, key, value, backend=backend)
         torch.cuda.synchronize()
         check(kv, pe, key, value)
-    assert len(mkp._replays) == 1
+    assert len(replays) == 1
     # Same shapes and strides, 16-byte but not 32-byte aligned kv_nope: cake's plan
     # refuses the addresses; the full path serves (auto/specialized) or strict mode says so.
     store = torch.empty(tokens * heads * 256 + 8, dtype=torch.bfloat16, device="cuda")
@@ -199,7 +207,7 @@ def test_fast_path_replays_the_plan(backend, monkeypatch):
         check(kv, pe, key, value)
     monkeypatch.setenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", "1")
     monkeypatch.setattr(
-        mkp.Plan, "launch", lambda *_: pytest.fail("the fast path ran with the env switch set")
+        Plan, "run", lambda *_: pytest.fail("the fast path ran with the env switch set")
     )
     key, value = poisoned(tokens, heads, 192), poisoned(tokens, heads, 128)
     concat_mla_kv_quant_fp8(kv, pe, key, value, backend=backend)
@@ -254,7 +262,7 @@ def test_cake_runs_from_prebuilt_cubins_without_the_dsl():
     assert roots, "FLASHINFER_JIT_CUBIN_PATH names no bundle"
     arch = device_arch(torch.cuda.current_device())
     for group in cake.HEAD_GROUPS:
-        spec = cake._family.spec((group,))
+        spec = cake.family.spec((group,))
         key = BUILDER.cache_key(spec, arch)
         found = [
             r

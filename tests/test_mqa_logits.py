@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from flashinfer_jit.mqa_logits import (
+    OP,
+    MqaLogitsOptions,
     compute_paged_mqa_logits_schedule,
     fp8_paged_mqa_logits,
     min_block_table_width,
@@ -105,7 +107,15 @@ def assert_close(logits, ref, rtol, name=""):
         )
 
 
-def run_and_check(seq_lens, device="cpu", rtol=2e-3, dtypes=(torch.float32,) * 3, **kw):
+def logits_with(options: MqaLogitsOptions | None):
+    """``fp8_paged_mqa_logits``, or the op with ``options`` (a variant)."""
+    return fp8_paged_mqa_logits if options is None else OP.runner(options).call
+
+
+def run_and_check(
+    seq_lens, device="cpu", rtol=2e-3, dtypes=(torch.float32,) * 3, options=None, **kw
+):
+    """One call (``options``: a variant of the op) checked against the reference."""
     q, kv, w, table, lens, max_len = make_inputs(seq_lens, device=device, **kw)
     out_dt, epi_dt, acc_dt = dtypes
     out = torch.full(
@@ -114,18 +124,10 @@ def run_and_check(seq_lens, device="cpu", rtol=2e-3, dtypes=(torch.float32,) * 3
         dtype=out_dt,
         device=device,
     )
-    logits = fp8_paged_mqa_logits(
-        q,
-        kv,
-        w,
-        table,
-        lens,
-        max_len,
-        output_dtype=out_dt,
-        epi_dtype=epi_dt,
-        acc_dtype=acc_dt,
-        out=out,
-    )
+    logits = logits_with(options)(
+        q, kv, w, table, lens, max_len, output_dtype=out_dt, epi_dtype=epi_dt,
+        acc_dtype=acc_dt, out=out,
+    )  # fmt: skip
     assert logits.shape == (len(seq_lens) * q.shape[1], max_len)
     assert logits.data_ptr() == out.data_ptr()
     assert_close(logits, reference(q, kv, w, table, lens), rtol)

@@ -13,7 +13,12 @@ from flashinfer_jit.mqa_logits import (
     fp8_paged_mqa_logits,
     padded_seq_len,
 )
-from flashinfer_jit.mqa_logits_tma import tma_config
+from flashinfer_jit.mqa_logits import plan as mq_plan
+from flashinfer_jit.mqa_logits.checks import launch_config
+from flashinfer_jit.mqa_logits.launch import KernelPlan
+from flashinfer_jit.mqa_logits.ring import ring_family, ring_params
+from flashinfer_jit.mqa_logits.schedule import schedule_family
+from flashinfer_jit.mqa_logits.tma import tma_config
 
 from .test_mqa_logits import (
     _args,
@@ -50,8 +55,8 @@ def test_prebuild_specs_cover_workloads():
 
     from flashinfer_jit._jit import WORKLOAD_ROOT
 
-    workloads = json.loads((WORKLOAD_ROOT / mq.WORKLOADS).read_text())
-    specs = mq.prebuild_specs(workloads)
+    workloads = json.loads((WORKLOAD_ROOT / mq.OP.workloads).read_text())
+    specs = mq.OP.prebuild_specs(workloads, mq.OP.default.options)
     labels = [s.label for s in specs]
     assert any(s.family == "mqa_logits_schedule" for s in specs)
     assert sum(s.family == "mqa_logits_generic" for s in specs) == 8  # every dtype triple
@@ -109,7 +114,7 @@ def test_kernels_compile(arch, params, tmp_path):
     from flashinfer_jit._jit import BUILDER
     from jit_kernels import compile_cubin, render
 
-    spec = mq._logits_family.spec(mq._params(*params))
+    spec = ring_family.spec(ring_params(params[:4], params[4:]))
     cubin = compile_cubin(render(spec, BUILDER.template_root), arch).cubin
     sass, res = _sass(cubin, tmp_path)
     assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills on {arch}: {res}"
@@ -118,7 +123,7 @@ def test_kernels_compile(arch, params, tmp_path):
     else:
         assert "HMMA" in sass
     assert "UBLKCP" in sass, "the ring kernel streams K with cp.async.bulk"
-    sched = mq._schedule_family.spec((256,))
+    sched = schedule_family.spec((256,))
     assert compile_cubin(render(sched, BUILDER.template_root), arch).cubin
 
 
@@ -126,7 +131,7 @@ def test_kernels_compile(arch, params, tmp_path):
 def test_generic_kernel_compiles(arch, tmp_path):
     pytest.importorskip("cuda.bindings.nvrtc")
     from flashinfer_jit._jit import BUILDER
-    from flashinfer_jit.mqa_logits_generic import generic_specs
+    from flashinfer_jit.mqa_logits.generic import generic_specs
     from jit_kernels import compile_cubin, render
 
     spec = generic_specs()[0]
@@ -138,7 +143,7 @@ def test_generic_kernel_compiles(arch, tmp_path):
 def test_launch_configs_fit_the_register_file():
     """9 warps get 168 registers (4 sub-partitions of 16K, ceil(9/4) = 3 warps each): the
     chosen ring config must leave its consumers room, or the launch fails with error 701."""
-    from flashinfer_jit.mqa_logits_checks import direct_config, reg_cap, ring_regs
+    from flashinfer_jit.mqa_logits.checks import direct_config, reg_cap, ring_regs
 
     assert (reg_cap(288), reg_cap(160), reg_cap(416), reg_cap(256), reg_cap(384)) == (
         168,
@@ -149,7 +154,7 @@ def test_launch_configs_fit_the_register_file():
     )
     for dim in range(32, 257, 32):
         for n in range(8, 257, 8):
-            cfg = mq.launch_config(n, dim)
+            cfg = launch_config(n, dim)
             if cfg is None:
                 assert direct_config(n, dim) is None
                 continue
@@ -170,15 +175,18 @@ def test_fast_path_replays_the_full_path(monkeypatch, request):
         def launch(self, grid, block, stream, args, smem):
             calls.append((grid, block, args, smem))
 
-    plan = (Kernel(), (7, 1, 1), (288, 1, 1), 1234, (), None, False)
-    monkeypatch.setattr(mq, "_kernel_refusal", lambda q, kv: None)
-    monkeypatch.setattr(mq, "_plan", lambda *a: plan)
-    import flashinfer_jit.mqa_logits_launch as mql
+    plan = KernelPlan(Kernel(), (7, 1, 1), (288, 1, 1), 1234)
+    monkeypatch.setattr(mq.OP, "kernel_call", lambda args: True)
+    monkeypatch.setattr(mq.OP, "refusal", lambda args: None)
+    monkeypatch.setattr(mq_plan, "kernel_plan", lambda *a: plan)
+    import flashinfer_jit.mqa_logits.launch as mql
 
-    monkeypatch.setattr(mq, "cuda_device_index", lambda t: 0)
+    monkeypatch.setattr(mq_plan, "cuda_device_index", lambda t: 0)
+    monkeypatch.setattr(mq_plan, "sm_count", lambda d: 132)
     monkeypatch.setattr(mql, "current_stream", lambda d: 0)
-    mq._replays.clear()
-    request.addfinalizer(mq._replays.clear)  # launches of the fake plan must not outlive the test
+    replays = mq.OP.default.replays
+    replays.clear()
+    request.addfinalizer(replays.clear)  # launches of the fake plan must not outlive the test
     a = make_inputs([70, 5, 300], next_n=2, heads=32, seed=1)
     b = make_inputs([70, 5, 300], next_n=2, heads=32, seed=2)
     max_len = a[5]
@@ -189,7 +197,7 @@ def test_fast_path_replays_the_full_path(monkeypatch, request):
             got = fp8_paged_mqa_logits(*inputs[:5], max_len, out=out)
             assert got.shape == (6, max_len)
             assert out is None or got.data_ptr() == wide.data_ptr()
-        assert len(mq._replays) >= 1
+        assert len(replays) >= 1
         full, fast_b, fast_a = calls
         assert full[2][:3] == fast_a[2][:3] and full[2][4:8] == fast_a[2][4:8]
         assert full[2][9:] == fast_a[2][9:] == fast_b[2][9:]
@@ -213,9 +221,9 @@ def test_direct_kernel_compiles_for_wide_heads(tmp_path):
     from flashinfer_jit._jit import BUILDER
     from jit_kernels import compile_cubin, render
 
-    assert mq.launch_config(256, 512)[2] is False
+    assert launch_config(256, 512)[2] is False
     f32 = torch.float32
-    spec = mq._logits_family.spec(mq._params(4, 64, 512, 64, f32, f32, f32))
+    spec = ring_family.spec(ring_params((4, 64, 512, 64), (f32, f32, f32)))
     sass, res = _sass(compile_cubin(render(spec, BUILDER.template_root), "sm_90a").cubin, tmp_path)
     assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills: {res}"
     assert "QGMMA" in sass

@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import flashinfer_jit.mqa_logits as mq
 from flashinfer_jit.mqa_logits import (
+    MqaLogitsOptions,
     compute_paged_mqa_logits_schedule,
     fp8_paged_mqa_logits,
     padded_seq_len,
 )
+from flashinfer_jit.mqa_logits import plan as mq_plan
 
 from .test_mqa_logits import (
     BAD_BLOCK,
@@ -36,18 +37,17 @@ VARIANTS = {
     "ring_4wg": (4, 0, False, True),  # opt-in (bench); generic where n > 64 cannot fit
     "direct_2x2": (2, 2, False, False),
     "direct_portable": (1, 3, True, False),
-    "generic": "generic",  # the runtime-geometry kernel (mq._force_generic)
+    "generic": "generic",  # the runtime-geometry kernel (MqaLogitsOptions.force_generic)
 }
 
 
 @pytest.fixture
-def variant(request, monkeypatch):
-    if VARIANTS[request.param] == "generic":
-        monkeypatch.setattr(mq, "_force_generic", True)
-    else:
-        monkeypatch.setattr(mq, "_config_override", VARIANTS[request.param])
+def variant(request, monkeypatch) -> MqaLogitsOptions:
+    """The options of the variant ``request.param``."""
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a fallback to torch would hide a kernel bug
-    return request.param
+    if VARIANTS[request.param] == "generic":
+        return MqaLogitsOptions(force_generic=True)
+    return MqaLogitsOptions(config=VARIANTS[request.param])
 
 
 @pytest.mark.gpu
@@ -59,8 +59,9 @@ def variant(request, monkeypatch):
 def test_gpu_matches_reference(variant, next_n, heads, block_size):
     lens = EDGE_LENS + [next_n - 1, 1000, 64 * 7, 3 * block_size]
     run_and_check(
-        lens, device="cuda", next_n=next_n, heads=heads, block_size=block_size, seed=7 + next_n
-    )
+        lens, device="cuda", next_n=next_n, heads=heads, block_size=block_size, seed=7 + next_n,
+        options=variant,
+    )  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -70,15 +71,18 @@ def test_gpu_matches_reference(variant, next_n, heads, block_size):
 @pytest.mark.parametrize("heads", [32, 12])
 def test_gpu_half_precision(variant, dtypes, rtol, heads):
     run_and_check(
-        [1, 77, 300, 64, 0], device="cuda", next_n=2, heads=heads, dtypes=dtypes, rtol=rtol
-    )
+        [1, 77, 300, 64, 0], device="cuda", next_n=2, heads=heads, dtypes=dtypes, rtol=rtol,
+        options=variant,
+    )  # fmt: skip
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["auto", "portable", "direct_2x2", "generic"], indirect=True)
 @pytest.mark.parametrize("dim", [32, 96, 160, 256])
 def test_gpu_other_head_dims(variant, dim):
-    run_and_check([5, 64, 333], device="cuda", next_n=1, heads=64, dim=dim, seed=dim)
+    run_and_check(
+        [5, 64, 333], device="cuda", next_n=1, heads=64, dim=dim, seed=dim, options=variant
+    )
 
 
 @pytest.mark.gpu
@@ -90,20 +94,19 @@ def test_gpu_other_head_dims(variant, dim):
 def test_gpu_many_requests(variant, count, longest):
     gen = torch.Generator().manual_seed(3)
     lens = torch.randint(0, longest, (count,), generator=gen).tolist()
-    run_and_check(lens, device="cuda", next_n=2, heads=64, seed=11)
+    run_and_check(lens, device="cuda", next_n=2, heads=64, seed=11, options=variant)
 
 
 @pytest.mark.gpu
 def test_gpu_generic_serves_when_jit_disabled(monkeypatch):
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a torch fallback would raise
-    monkeypatch.setattr(mq, "_force_generic", True)  # builds (caches) the generic cubin
-    run_and_check([70, 0, 5], device="cuda", next_n=1, heads=8, dim=64)
-    monkeypatch.setattr(mq, "_force_generic", False)
+    generic = MqaLogitsOptions(force_generic=True)  # builds (caches) the generic cubin
+    run_and_check([70, 0, 5], device="cuda", next_n=1, heads=8, dim=64, options=generic)
     monkeypatch.setenv("FLASHINFER_JIT_DISABLE", "1")  # no specialization for this geometry
     run_and_check([300, 1, 129, 0], device="cuda", next_n=2, heads=20, dim=64, block_size=32)
-    generic = [p for p in mq._plans.values() if "generic" in p[0].name]
+    plans = [p for p in mq_plan._plans.values() if "generic" in p.kernel.name]
     # its runtime geometry (after the KV policy flag: a small call, evict-first)
-    assert any(p[4][:5] == (1, 2, 20, 64, 32) for p in generic)
+    assert any(p.extra[:5] == (1, 2, 20, 64, 32) for p in plans)
 
 
 @pytest.mark.gpu
@@ -121,7 +124,7 @@ def test_gpu_fp16_overflow_is_inf():
 
 @pytest.mark.gpu
 def test_gpu_schedule_and_strides():
-    from flashinfer_jit.mqa_logits_schedule import schedule_torch
+    from flashinfer_jit.mqa_logits.schedule import schedule_torch
 
     q, kv, w, table, lens, max_len = make_inputs(
         [0, 5, 700, 64, 0, 1999, 3], next_n=2, heads=32, device="cuda"

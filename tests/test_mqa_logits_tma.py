@@ -13,8 +13,11 @@ import torch
 
 import flashinfer_jit.mqa_logits as mq
 from flashinfer_jit._jit import BUILDER
-from flashinfer_jit.mqa_logits_checks import SMEM_LIMIT, STATIC_SMEM, reg_cap
-from flashinfer_jit.mqa_logits_tma import (
+from flashinfer_jit.mqa_logits import OP, MqaLogitsOptions
+from flashinfer_jit.mqa_logits import plan as mq_plan
+from flashinfer_jit.mqa_logits.checks import SMEM_LIMIT, STATIC_SMEM, reg_cap
+from flashinfer_jit.mqa_logits.ring import ring_family
+from flashinfer_jit.mqa_logits.tma import (
     NARROW_CONFIG,
     RING_STAGES,
     SMALL_CONFIG,
@@ -28,7 +31,14 @@ from flashinfer_jit.mqa_logits_tma import (
 )
 from jit_kernels import KernelUnavailable, compile_cubin, render
 
-from .test_mqa_logits import EDGE_LENS, assert_close, make_inputs, reference, run_and_check
+from .test_mqa_logits import (
+    EDGE_LENS,
+    assert_close,
+    logits_with,
+    make_inputs,
+    reference,
+    run_and_check,
+)
 from .test_mqa_logits_build import _sass
 
 SHIPPED_N = sorted({nn * h for nn in (1, 2, 3, 4) for h in (32, 64)})
@@ -77,12 +87,19 @@ def picked(monkeypatch):
 
         return get
 
-    monkeypatch.setattr(mq, "sm_count", lambda device: 132)
-    monkeypatch.setattr(mq._logits_family, "get", fake_get(mq._logits_family))
-    monkeypatch.setattr(mq.tma_family, "get", fake_get(mq.tma_family))
-    mq._plans.clear()
-    yield got, lambda: monkeypatch.setattr(mq.tma_family, "get", fake_get(mq.tma_family, True))
-    mq._plans.clear()
+    monkeypatch.setattr(mq_plan, "sm_count", lambda device: 132)
+    monkeypatch.setattr(ring_family, "get", fake_get(ring_family))
+    monkeypatch.setattr(tma_family, "get", fake_get(tma_family))
+    mq_plan._plans.clear()
+    yield got, lambda: monkeypatch.setattr(tma_family, "get", fake_get(tma_family, True))
+    mq_plan._plans.clear()
+
+
+def plan_of(batch: int, geometry: tuple, max_seq_len: int, options=None):
+    """The kernel plan of a float32 call of ``batch`` requests (the H200's 132 SMs)."""
+    small = small_work(batch, max_seq_len, 132)
+    options = MqaLogitsOptions() if options is None else options
+    return mq_plan.kernel_plan(geometry, (torch.float32,) * 3, 0, small, options)
 
 
 @pytest.mark.parametrize(
@@ -99,22 +116,22 @@ def test_dispatch_picks_the_tma_kernel_where_it_applies(
     picked, monkeypatch, cap, dim, override, family
 ):
     got, _ = picked
-    monkeypatch.setattr(mq, "capability", lambda device: cap)
-    monkeypatch.setattr(mq, "_config_override", override)
+    monkeypatch.setattr(mq_plan, "capability", lambda device: cap)
+    options = MqaLogitsOptions(config=override)
     f32 = torch.float32
-    plan = mq._plan((256, 2, 64, dim, 64), f32, f32, f32, 0, 8192)
+    plan = plan_of(256, (2, 64, dim, 64), 8192, options)
     assert got[-1][0] == family
     if family == "mqa_logits_tma":
         config = tma_config(128) if override is None else override._replace(stages=got[-1][1][8])
         assert config.stages > 0
         assert got[-1][1] == (2, 64, dim, 64, f32, f32, f32, *config)
-        assert plan[2] == (tma_threads(config.warpgroups, config.producers), 1, 1)
-        assert plan[3] == tma_smem_bytes(128, config.warpgroups, config.stages, config.qbuf)
-        assert plan[5] is not None  # the per-pool tensor map argument
-        assert plan[6] is mq.PDL  # a programmatic launch: the kernel waits itself
+        assert plan.block == (tma_threads(config.warpgroups, config.producers), 1, 1)
+        assert plan.smem == tma_smem_bytes(128, config.warpgroups, config.stages, config.qbuf)
+        assert plan.kv_args is not None  # the per-pool tensor map argument
+        assert plan.programmatic is options.pdl  # a programmatic launch: the kernel waits itself
     else:
-        assert plan[5] is None
-        assert plan[6] is False  # these kernels do not wait for the preceding grid
+        assert plan.kv_args is None
+        assert plan.programmatic is False  # these kernels do not wait for the preceding grid
 
 
 def test_small_calls_take_two_shallow_warpgroups():
@@ -141,24 +158,22 @@ def test_rings_stay_shallow(n):
 def test_dispatch_plans_small_calls_apart(picked, monkeypatch, max_seq_len, warpgroups):
     """The config follows max_seq_len (its class is part of the plan key), not only the shapes."""
     got, _ = picked
-    monkeypatch.setattr(mq, "capability", lambda device: (9, 0))
-    f32 = torch.float32
-    plan = mq._plan((32, 1, 64, 128, 64), f32, f32, f32, 0, max_seq_len)
+    monkeypatch.setattr(mq_plan, "capability", lambda device: (9, 0))
+    plan = plan_of(32, (1, 64, 128, 64), max_seq_len)
     assert got[-1][1][7] == warpgroups
-    assert plan[4] == (int(warpgroups == 2),)  # small calls stream KV evict-first
-    plan = mq._plan((32, 1, 64, 128, 64), f32, f32, f32, 0, 24576 - max_seq_len)  # the other
+    assert plan.extra == (int(warpgroups == 2),)  # small calls stream KV evict-first
+    plan = plan_of(32, (1, 64, 128, 64), 24576 - max_seq_len)  # the other
     assert len(got) == 2 and got[-1][1][7] == 5 - warpgroups
-    assert plan[4] == (int(warpgroups == 3),)
+    assert plan.extra == (int(warpgroups == 3),)
 
 
 def test_dispatch_falls_back_to_the_ring_when_the_tma_kernel_is_missing(picked, monkeypatch):
     got, tma_missing = picked
     tma_missing()
-    monkeypatch.setattr(mq, "capability", lambda device: (9, 0))
-    f32 = torch.float32
-    plan = mq._plan((256, 1, 64, 128, 64), f32, f32, f32, 0, 8192)
+    monkeypatch.setattr(mq_plan, "capability", lambda device: (9, 0))
+    plan = plan_of(256, (1, 64, 128, 64), 8192)
     assert [f for f, _ in got] == ["mqa_logits_tma", "mqa_logits"]
-    assert plan[5] is None
+    assert plan.kv_args is None
 
 
 # -- GPU ----------------------------------------------------------------------------------
@@ -181,19 +196,21 @@ def _sm90() -> bool:
 
 
 @pytest.fixture
-def tma_variant(request, monkeypatch):
+def tma_variant(request, monkeypatch) -> MqaLogitsOptions:
+    """The options of the variant ``request.param``, with fresh plans and replays."""
     if not _sm90():
         pytest.skip("the TMA kernel runs on sm_90 only")
-    monkeypatch.setattr(mq, "_config_override", TMA_VARIANTS[request.param])
-    monkeypatch.setattr(mq, "PDL", request.param != "no_pdl")
+    options = MqaLogitsOptions(config=TMA_VARIANTS[request.param], pdl=request.param != "no_pdl")
     if request.param == "large":
-        monkeypatch.setattr(mq, "small_work", lambda batch, max_seq_len, num_sms: 0)
+        monkeypatch.setattr(mq_plan, "small_work", lambda batch, max_seq_len, num_sms: 0)
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a fallback to torch would hide a kernel bug
-    return request.param
+    mq_plan._plans.clear()
+    OP.runner(options).replays.clear()
+    return options
 
 
 def _served_by_tma() -> bool:
-    return any("mqa_logits_tma" in p[0].name for p in mq._plans.values())
+    return any("mqa_logits_tma" in p.kernel.name for p in mq_plan._plans.values())
 
 
 @pytest.mark.gpu
@@ -203,16 +220,15 @@ def _served_by_tma() -> bool:
     [(1, 64, 64), (2, 32, 32), (3, 64, 128), (4, 64, 64), (2, 4, 64), (1, 32, 128), (4, 32, 32)],
 )
 def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
-    if tma_variant == "tma_4x16p2" and next_n * heads > 64:
+    if tma_variant.config == TMA_VARIANTS["tma_4x16p2"] and next_n * heads > 64:
         pytest.skip("4 warpgroups fit next_n*heads <= 64 only")
-    if tma_variant == "tma_3x6p3q1" and next_n * heads > 192:
+    if tma_variant.config == TMA_VARIANTS["tma_3x6p3q1"] and next_n * heads > 192:
         pytest.skip("3 warpgroups fit next_n*heads <= 192 only")
-    mq._plans.clear()
-    mq._replays.clear()
     lens = EDGE_LENS + [next_n - 1, 1000, 64 * 7, 3 * block_size]
     run_and_check(
-        lens, device="cuda", next_n=next_n, heads=heads, block_size=block_size, seed=17 + next_n
-    )
+        lens, device="cuda", next_n=next_n, heads=heads, block_size=block_size, seed=17 + next_n,
+        options=tma_variant,
+    )  # fmt: skip
     assert _served_by_tma()
 
 
@@ -235,9 +251,7 @@ def test_gpu_tma_one_cta_walks_everything(tma_variant, next_n, heads, block_size
     q, kv, w, table, seq, max_len = make_inputs(
         lens, next_n=next_n, heads=heads, block_size=block_size, device="cuda", seed=9
     )
-    mq._plans.clear()
-    mq._replays.clear()
-    got = mq.fp8_paged_mqa_logits(
+    got = logits_with(tma_variant)(
         q, kv, w, table, seq, max_len, schedule_meta=_one_cta_schedule(len(lens))
     )
     assert_close(got, reference(q, kv, w, table, seq), 2e-3, name="one CTA")
@@ -249,10 +263,10 @@ def test_gpu_tma_probe_streams_without_writing(monkeypatch):
     """The benchmark's streaming probe runs to completion and writes nothing."""
     if not _sm90():
         pytest.skip("the TMA kernel runs on sm_90 only")
-    monkeypatch.setattr(mq, "_config_override", TmaConfig(2, 0, 2, 2, probe=1))
+    probe = MqaLogitsOptions(config=TmaConfig(2, 0, 2, 2, probe=1))
     q, kv, w, table, seq, max_len = make_inputs([900, 5, 0, 4000], device="cuda")
     out = torch.full((4, mq.padded_seq_len(max_len)), float("nan"), device="cuda")
-    mq.fp8_paged_mqa_logits(q, kv, w, table, seq, max_len, out=out)
+    logits_with(probe)(q, kv, w, table, seq, max_len, out=out)
     torch.cuda.synchronize()
     assert torch.isnan(out).all()
 

@@ -40,7 +40,7 @@ def test_wheel_installs_and_builds_outside_the_tree(tmp_path):
         ],
         check=True,
     )
-    assert (site / "flashinfer_jit" / "templates" / "mla_kv_pack.cuh").is_file()
+    assert (site / "flashinfer_jit" / "templates" / "mla_kv_pack/sm90_warp_cvt.cuh").is_file()
     script = _CHECK.format(site=str(site), out=str(tmp_path / "bundle"))
     run = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from flashinfer_jit import qsa
-from flashinfer_jit import qsa_kernels as qk
+from flashinfer_jit.qsa import kernels as qk
 from flashinfer_jit.qsa import (
     qsa_sparse_paged_attention,
     qsa_sparse_paged_decode,
     use_fp8_decode_kernel,
     warmup_qsa_fp8_decode,
 )
-from flashinfer_jit.qsa_checks import HEAD_DIMS
+from flashinfer_jit.qsa.checks import HEAD_DIMS
 
 TOL = 5e-3
 
@@ -298,7 +298,7 @@ def test_bad_arguments_raise(mutate, exc, words):
 
 def test_custom_op_fake_and_opcheck():
     case = make_case(rows=2, topk=16, dtype=torch.uint8)  # opcheck does arithmetic on inputs
-    torch.library.opcheck(qsa._qsa_op, (*args_of(case), True))
+    torch.library.opcheck(qsa.OP.traced, (*args_of(case), True))
 
 
 def test_gate_and_warmup_on_cpu():
@@ -395,14 +395,15 @@ def test_kernels_compile_without_spills(arch, tmp_path):
 def test_prebuild_specs_cover_workloads():
     from flashinfer_jit._jit import WORKLOAD_ROOT
 
-    workloads = json.loads((WORKLOAD_ROOT / qsa.WORKLOADS).read_text())
+    workloads = json.loads((WORKLOAD_ROOT / qsa.OP.workloads).read_text())
     assert workloads["op"] == "qsa"
     specs = qsa.prebuild_specs(workloads)
     labels = {s.label for s in specs}
+    shipped = qsa.OP.default.options
     for bulk in (True, False):  # the combined cache's bulk copies; other caches' cp.async
         config = qk.default_config(128, 0, bulk)
-        family, params = qk.decode_plan(16, 128, 0, False, bulk, config, qsa.TMMA, qsa.LEAN_LOOP)
+        family, params = qk.decode_plan(16, 128, 0, False, bulk, config, shipped.tmma, shipped.lean)
         assert family.spec(params).label in labels  # the single pass in the shipped loop form
     families = {"qsa_slots", "qsa_decode_cluster"}
-    families.add("qsa_decode_form" if qsa.TMMA or qsa.LEAN_LOOP else "qsa_decode")
+    families.add("qsa_decode_form" if shipped.tmma or shipped.lean else "qsa_decode")
     assert {s.family for s in specs} == families

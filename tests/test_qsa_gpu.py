@@ -12,12 +12,15 @@ import pytest
 import torch
 
 from flashinfer_jit import qsa
-from flashinfer_jit import qsa_kernels as qk
+from flashinfer_jit.qsa import kernels as qk
+from flashinfer_jit.qsa import plan as qsa_plan
 from flashinfer_jit.qsa import (
     qsa_sparse_paged_attention,
     qsa_sparse_paged_decode,
     warmup_qsa_fp8_decode,
 )
+from flashinfer_jit.qsa.op import run_kernels
+from flashinfer_jit.qsa.reference import qsa_decode_torch
 
 from .test_qsa import add_hazards, args_of, assert_close, make_case, ref_of
 
@@ -59,7 +62,7 @@ def test_gpu_cluster_split_k(shape, splits, fused, strict):
     case = add_hazards(
         make_case(rows=7, device="cuda", seed=11 + splits, combined=splits % 2 == 1, **shape)
     )
-    qsa._run_kernels(*args_of(case), num_splits=splits, fused=fused)
+    run_kernels(args_of(case), num_splits=splits, fused=fused)
     torch.cuda.synchronize()
     assert_close(case["out"], ref_of(case))
     assert (case["out"][1] == 0).all() and (case["out"][3] == 0).all()
@@ -86,7 +89,7 @@ def _check_launch(rows, hq, hkv, topk, splits, **overrides):
                   num_blocks=60, device="cuda", seed=topk + splits, combined=topk % 2 == 0)
     )  # fmt: skip
     case["out"].fill_(float("nan"))
-    qsa._run_kernels(*args_of(case), num_splits=splits, **overrides)
+    run_kernels(args_of(case), num_splits=splits, **overrides)
     torch.cuda.synchronize()
     assert_close(case["out"], ref_of(case))
     assert (case["out"][1] == 0).all() and (case["out"][3] == 0).all()
@@ -127,15 +130,15 @@ def test_gpu_opt_in_variants(variant, topk, hq, hkv, strict):
 def test_gpu_bad_split_arguments(strict):
     case = make_case(rows=2, device="cuda")
     with pytest.raises(ValueError, match="num_splits"):
-        qsa._run_kernels(*args_of(case), num_splits=9)
+        run_kernels(args_of(case), num_splits=9)
     with pytest.raises(ValueError, match="fused"):  # no cluster, no in-kernel slots
-        qsa._run_kernels(*args_of(case), num_splits=1, fused=True)
+        run_kernels(args_of(case), num_splits=1, fused=True)
     with pytest.raises(ValueError, match="slot_entries"):
-        qsa._run_kernels(*args_of(case), slot_entries=3)
+        run_kernels(args_of(case), slot_entries=3)
     with pytest.raises(ValueError, match="bulk copies need head_dim 128"):  # d=64, plain cache
-        qsa._run_kernels(*args_of(case), bulk=True)
+        run_kernels(args_of(case), bulk=True)
     with pytest.raises(ValueError, match="config"):
-        qsa._run_kernels(*args_of(case), config=(4, 9, 1))
+        run_kernels(args_of(case), config=(4, 9, 1))
 
 
 @pytest.mark.gpu
@@ -179,7 +182,7 @@ def test_gpu_q_magnitudes(factor, splits, strict):
     case["q"] = (case["q"].float() * factor).to(torch.bfloat16)
     case["q"][0, 0, :64] *= 2.0**-30  # a head whose halves differ by 2^30
     case["softmax_scale"] = case["softmax_scale"] / factor
-    qsa._run_kernels(*args_of(case), num_splits=splits)
+    run_kernels(args_of(case), num_splits=splits)
     torch.cuda.synchronize()
     assert_close(case["out"], ref_of(case))
 
@@ -236,7 +239,7 @@ def test_gpu_matches_torch_path():
     )
     got = qsa_sparse_paged_attention(*args_of(case)).clone()
     torch_out = torch.empty_like(got)
-    qsa.qsa_decode_torch(*args_of({**case, "out": torch_out}))
+    qsa_decode_torch(*args_of({**case, "out": torch_out}))
     assert (got.float() - torch_out.float()).abs().max().item() < 2e-2
 
 
@@ -272,7 +275,7 @@ def test_gpu_cache_over_4gib(strict):
     )
 
     def cluster(*args, bulk: bool):
-        qsa._run_kernels(*args, num_splits=2, fused=True, bulk=bulk)
+        run_kernels(args, num_splits=2, fused=True, bulk=bulk)
         return args[6]
 
     for fn in (
@@ -297,11 +300,11 @@ def test_gpu_cache_over_4gib(strict):
 GRAPH_RUNS = {
     "decode": lambda args: qsa_sparse_paged_decode(*args),
     "dispatch": lambda args: qsa_sparse_paged_attention(*args),
-    "cluster8_fused": lambda args: qsa._run_kernels(*args, num_splits=8, fused=True),
-    "cluster2_slots": lambda args: qsa._run_kernels(*args, num_splits=2, fused=False),
-    "decode_pdl_slots4": lambda args: qsa._run_kernels(*args, pdl=True, slot_entries=4),
-    "cluster4_pdl": lambda args: qsa._run_kernels(*args, num_splits=4, pdl=True),
-    "cluster2_pdl": lambda args: qsa._run_kernels(*args, num_splits=2, pdl=True),
+    "cluster8_fused": lambda args: run_kernels(args, num_splits=8, fused=True),
+    "cluster2_slots": lambda args: run_kernels(args, num_splits=2, fused=False),
+    "decode_pdl_slots4": lambda args: run_kernels(args, pdl=True, slot_entries=4),
+    "cluster4_pdl": lambda args: run_kernels(args, num_splits=4, pdl=True),
+    "cluster2_pdl": lambda args: run_kernels(args, num_splits=2, pdl=True),
 }
 
 
@@ -349,7 +352,8 @@ def test_gpu_warmup_then_no_compile(jit_cache, strict):
     kv = torch.zeros(8, 2, 64, 256, dtype=torch.uint8, device="cuda")
     bt = torch.zeros(2, 4, dtype=torch.int32, device="cuda")
     ready = warmup_qsa_fp8_decode(kv, bt, num_query_heads=16, selection_width=512)
-    single = "qsa_decode_form" if qsa.TMMA or qsa.LEAN_LOOP else "qsa_decode"  # its loop form
+    shipped = qsa.OP.default.options
+    single = "qsa_decode_form" if shipped.tmma or shipped.lean else "qsa_decode"  # its loop form
     assert {name for name, _ in ready} == {"qsa_slots", single, "qsa_decode_cluster"}
     # Every kernel a call can reach is now loaded: a later call compiles nothing.
     os.environ["FLASHINFER_JIT_DISABLE"] = "1"
@@ -357,7 +361,9 @@ def test_gpu_warmup_then_no_compile(jit_cache, strict):
         k_cache, v_cache = kv.transpose(1, 2).split(128, dim=-1)
         # topk 512, Hkv 2: rows=2 takes a fused 4-CTA cluster of cp.async gathers (16 CTAs),
         # rows=80 a fused 2-CTA cluster of bulk copies (320 CTAs: more than two waves)
-        assert [qsa.dispatch_split(r, 2, 512, 128, torch.uint8, 0)[0] for r in (2, 80)] == [4, 2]
+        assert [
+            qsa_plan.dispatch_split(r, 2, 512, 128, torch.uint8, 0).num_splits for r in (2, 80)
+        ] == [4, 2]
         for rows in (2, 80):
             case = make_case(
                 rows=rows,

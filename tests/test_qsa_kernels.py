@@ -16,8 +16,11 @@ import pytest
 import torch
 
 from flashinfer_jit import qsa
-from flashinfer_jit import qsa_kernels as qk
-from flashinfer_jit.qsa_ref import qsa_decode_torch
+from flashinfer_jit.qsa import kernels as qk
+from flashinfer_jit.qsa import plan as qsa_plan
+from flashinfer_jit.qsa.op import with_options
+from flashinfer_jit.qsa.plan import Variant, decode_launch
+from flashinfer_jit.qsa.reference import qsa_decode_torch
 
 from .test_qsa import add_hazards, args_of, assert_close, make_case, ref_of
 from .test_replay import FakeKernel, qsa_args, qsa_stub, stub  # noqa: F401 (fixtures)
@@ -87,7 +90,7 @@ def test_shipped_configs_keep_their_ctas_per_sm(config, cluster, cap, bulk):
 
 
 def test_bulk_row_layout_is_conflict_free():
-    """A mirror of bulk_row (templates/qsa_bulk.cuh): rows do not overlap, fit the 4224-byte
+    """A mirror of bulk_row (templates/qsa/bulk.cuh): rows do not overlap, fit the 4224-byte
     stage, and every 8-lane phase of the K and V fragment reads hits 32 distinct banks."""
 
     def bulk_row(r):
@@ -124,11 +127,12 @@ def test_warmup_plans_are_what_the_dispatcher_launches(monkeypatch, hq, hkv, d, 
     """Over every row count below the crossover (and one above): the kernels
     ``_decode_launch`` picks are exactly dispatch_plans (warm-up), all within all_specs
     (prebuild)."""
-    monkeypatch.setattr(qsa, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(qsa_plan, "capability", lambda device: (9, 0))
     seen = set()
     kernel = FakeKernel([])
     monkeypatch.setattr(qk.KernelFamily, "get", lambda f, p, device: seen.add((f, p)) or kernel)
-    entries, forms = qsa.SLOT_ENTRIES_PER_THREAD, (qsa.TMMA, qsa.LEAN_LOOP)
+    shipped = qsa.OP.default.options
+    entries, forms = shipped.slot_entries, (shipped.tmma, shipped.lean)
     clusters = H200
     plans = qk.dispatch_plans(
         hq // hkv, d, 64, hkv, topk, combined and d == 128, SMS, entries, clusters, *forms
@@ -136,7 +140,7 @@ def test_warmup_plans_are_what_the_dispatcher_launches(monkeypatch, hq, hkv, d, 
     for rows in range(1, -(-qk.DECODE_MIN_PROGRAMS // hkv) + 1):
         args = qsa_args(rows=rows, hq=hq, hkv=hkv, d=d, page=64, topk=topk, combined=combined)
         splits, config, pair = qk.launch_split(rows, hkv, topk, d, SMS, clusters)
-        qsa._decode_launch(*list(args.values())[:8], splits, config=config, pair=pair)
+        decode_launch(tuple(args.values()), shipped, Variant(splits, None, config, None, pair))
     assert seen == set(plans)
     prebuilt = {s.label for s in qk.all_specs(hq // hkv, d, 64, entries, *forms)}
     assert {f.spec(p).label for f, p in plans} <= prebuilt
@@ -146,14 +150,15 @@ def test_bulk_launch_replays_only_with_v_after_k(request, monkeypatch):
     """A bulk launch relies on V following K; a call with the same metadata but V elsewhere
     takes the full path and its cp.async launch."""
     stubbed = request.getfixturevalue("qsa_stub")
-    monkeypatch.setattr(qsa, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(qsa_plan, "capability", lambda device: (9, 0))
     combined = [qsa_args(d=128, page=64, combined=True) for _ in range(3)]
     assert stubbed.runs(lambda: qsa.qsa_sparse_paged_decode(**combined[0])) == 1
-    assert [launch.kv_gap for launch in qsa._replays.values()] == [128]
+    replays = qsa.OP.default.replays
+    assert [launch.kv_gap for launch in replays.values()] == [128]
     assert stubbed.runs(lambda: qsa.qsa_sparse_paged_decode(**combined[1])) == 0
     apart = dict(combined[0], v_cache=combined[2]["v_cache"])  # same strides, V elsewhere
     assert stubbed.runs(lambda: qsa.qsa_sparse_paged_decode(**apart)) == 1
-    assert [launch.kv_gap for launch in qsa._replays.values()] == [0]
+    assert [launch.kv_gap for launch in replays.values()] == [0]
 
 
 def test_loop_forms_pick_their_kernel():
@@ -232,16 +237,16 @@ def test_gpu_flips_back_to_back(monkeypatch, rows):
     a torch kernel just before each (a kernel reading q before the wait would see the old
     one), each against its reference."""
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
-    monkeypatch.setattr(qsa, "PDL", True)
-    monkeypatch.setattr(qsa, "SLOT_ENTRIES_PER_THREAD", 4)
+    runner = qsa.OP.runner(with_options(pdl=True, slot_entries=4))
     case = add_hazards(make_case(rows=rows, hq=16, hkv=4, d=128, page=64, topk=600, width=12,
                                  num_blocks=40, device="cuda", seed=rows, combined=True))  # fmt: skip
-    assert qsa.dispatch_split(rows, 4, 600, 128, torch.uint8, 0)[0] == {3: 4, 40: 2, 512: 1}[rows]
+    splits = qsa_plan.dispatch_split(rows, 4, 600, 128, torch.uint8, 0).num_splits
+    assert splits == {3: 4, 40: 2, 512: 1}[rows]
     fresh = [torch.randn_like(case["q"], dtype=torch.float32).to(torch.bfloat16) for _ in range(2)]
     outs = [torch.full_like(case["out"], math.nan) for _ in fresh]
     for q, out in zip(fresh, outs, strict=True):
         case["q"].copy_(q)
-        qsa.qsa_sparse_paged_attention(*args_of(dict(case, out=out)))
+        runner((*args_of(dict(case, out=out)), True))  # the attention entry point
     for q, out in zip(fresh, outs, strict=True):
         assert_close(out, ref_of(dict(case, q=q)))
 
@@ -254,16 +259,15 @@ def test_gpu_loop_forms(monkeypatch, group, d, bulk, tmma, lean, topk):
     class and head dim, short and long selections, with the -1 / valid-count / bad-request /
     bad-page hazards, against the float64 reference."""
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
-    monkeypatch.setattr(qsa, "TMMA", tmma)
-    monkeypatch.setattr(qsa, "LEAN_LOOP", lean)
+    runner = qsa.OP.runner(with_options(tmma=tmma, lean=lean))
     case = add_hazards(make_case(rows=9, hq=2 * group, hkv=2, d=d, page=64, topk=topk,
                                  width=-(-topk // 64) + 3, num_blocks=60, device="cuda",
                                  seed=group + d + topk, combined=bulk))  # fmt: skip
     case["out"].fill_(math.nan)
-    launch = qsa._decode_launch(*args_of(case)[:8])  # the tensors; scales are run()'s
+    launch = decode_launch(args_of(case), runner.options, Variant())
     family = "qsa_decode_form" if tmma and group <= 8 or lean else "qsa_decode"
     assert launch.kernel.name.startswith(family + "[")
-    got = qsa.qsa_sparse_paged_decode(*args_of(case))
+    got = runner((*args_of(case), False))  # the decode entry point
     torch.cuda.synchronize()
     assert_close(got, ref_of(case))
     assert (got[1] == 0).all() and (got[3] == 0).all()

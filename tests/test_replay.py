@@ -10,13 +10,21 @@ import pytest
 import torch
 
 import flashinfer_jit.mla_kv_pack as mkp
+import flashinfer_jit.mla_kv_pack.cake as mkp_cake
+import flashinfer_jit.mla_kv_pack.op as mkp_op
+import flashinfer_jit.mla_kv_pack.specialized as mkp_specialized
 import flashinfer_jit.mqa_logits as mq
-import flashinfer_jit.mqa_logits_launch as mql
+import flashinfer_jit.mqa_logits.launch as mq_launch
+import flashinfer_jit.mqa_logits.op as mq_op
+import flashinfer_jit.mqa_logits.plan as mq_plan
 import flashinfer_jit.qsa as qsa
-import flashinfer_jit.qsa_kernels as qk
-import flashinfer_jit.qsa_launch as qsl
+import flashinfer_jit.qsa.checks as qsa_checks
+import flashinfer_jit.qsa.kernels as qk
+import flashinfer_jit.qsa.launch as qsa_launch
+import flashinfer_jit.qsa.op as qsa_op
+import flashinfer_jit.qsa.plan as qsa_plan
+from flashinfer_jit.mqa_logits.launch import KernelPlan
 from jit_kernels import KernelFamily, plan_cache
-from jit_kernels.plan_cache import PlanCache
 
 SWITCHES = ("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", "FLASHINFER_VALIDATE_INPUTS")
 E4M3 = torch.float8_e4m3fn
@@ -33,7 +41,7 @@ class FakeKernel:
     def launch(self, grid, block, stream, args, smem=0):
         self.launches.append((grid, block, args, smem))
 
-    launch_programmatic = launch  # qsa.PDL's and mqa_logits.PDL's launches, recorded alike
+    launch_programmatic = launch  # programmatic (PDL) launches, recorded alike
 
     def blocks_per_sm(self, threads, smem=0):
         return 1
@@ -62,10 +70,33 @@ class Stub:
 
 
 @pytest.fixture
-def stub(monkeypatch):
+def stub(monkeypatch, fresh_replays):
     for name in (*SWITCHES, "FLASHINFER_JIT_DISABLE"):
         monkeypatch.delenv(name, raising=False)
     return Stub()
+
+
+def fake_device(monkeypatch, *modules) -> None:
+    """The modules see an H200 as cuda:0 (CPU tensors stand in for its tensors)."""
+    fakes = {
+        "cuda_device_index": lambda t: 0,
+        "current_stream": lambda device: 0,
+        "capability": lambda device: (9, 0),
+        "sm_count": lambda device: 132,
+    }
+    for module in modules:
+        for name, fake in fakes.items():
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, fake)
+
+
+def count_full_path(monkeypatch, op, stub: Stub) -> None:
+    """``op``'s kernels serve CPU tensors (no CUDA-device test, no refusal), each full-path
+    run (its checks) recorded in ``stub.full`` (the ``stub`` fixture empties the replays)."""
+    prepare = op.prepare
+    monkeypatch.setattr(op, "kernel_call", lambda args: True)
+    monkeypatch.setattr(op, "refusal", lambda args: None)
+    monkeypatch.setattr(op, "prepare", lambda args: stub.full.append(args) or prepare(args))
 
 
 # The replay tests run twice: recalling through the tensor guard (jit_kernels.plan_cache),
@@ -93,15 +124,10 @@ def mqa_args(batch=3, next_n=2, heads=32, dim=64, block=32, blocks=40, width=8):
 @pytest.fixture
 def mqa_stub(stub, monkeypatch):
     kernel = FakeKernel(stub.launches)
-    monkeypatch.setattr(mq, "_kernel_refusal", lambda q, kv: None)
-    monkeypatch.setattr(
-        mq,
-        "_plan",
-        lambda *a: stub.full.append(a) or (kernel, (7, 1, 1), (288, 1, 1), 99, (), None, False),
-    )
-    monkeypatch.setattr(mq, "cuda_device_index", lambda t: 0)
-    monkeypatch.setattr(mql, "current_stream", lambda device: 0)
-    monkeypatch.setattr(mq, "_replays", PlanCache())
+    plan = KernelPlan(kernel, (7, 1, 1), (288, 1, 1), 99)
+    monkeypatch.setattr(mq_plan, "kernel_plan", lambda *a: plan)
+    fake_device(monkeypatch, mq_plan, mq_launch)
+    count_full_path(monkeypatch, mq.OP, stub)
     return stub
 
 
@@ -161,10 +187,15 @@ def test_mqa_replays_in_inference_mode_and_after_a_declined_replay(mqa_stub, by,
         assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**mqa_args())) == 0
         assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**mqa_args())) == 0
     assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 0
-    # q 1 byte off 16: the replay declines, the full path serves (its refusal is stubbed).
+    # q 1 byte off 16: the replay declines, the full path decides (its refusal is stubbed,
+    # so the plan's own check refuses the address: never a silent skip).
     q = torch.zeros(base["q"].numel() + 1, dtype=torch.uint8)[1:].view(E4M3).view(3, 2, 32, 64)
-    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**dict(base, q=q))) == 1
-    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 0 and len(mq._replays) == 1
+    before = len(stub.full)
+    with pytest.raises(ValueError, match="misaligned"):
+        mq.fp8_paged_mqa_logits(**dict(base, q=q))
+    assert len(stub.full) == before + 1
+    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 0
+    assert len(mq.OP.default.replays) == 1
 
 
 @by_guard_and_key
@@ -184,8 +215,10 @@ def test_mqa_changes_the_checks_refuse_miss(mqa_stub, monkeypatch, by):
     for args, exc in bad.values():
         with pytest.raises(exc):
             mq.fp8_paged_mqa_logits(**args)
-    monkeypatch.setattr(mq, "_config_override", (2, 0, False, True))  # a benchmark's override
-    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 1
+    # a benchmark's variant: a runner of its own, with its own replays
+    runner = mq.OP.runner(mq.MqaLogitsOptions(config=(2, 0, False, True)))
+    assert stub.runs(lambda: runner.call(**base)) == 1
+    assert stub.runs(lambda: runner.call(**base)) == 0
 
 
 @by_guard_and_key
@@ -199,7 +232,7 @@ def test_mqa_switches_take_effect_on_the_next_call(mqa_stub, monkeypatch, by):
     assert len(stub.launches) == launches
     monkeypatch.delenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE")
     checked = []
-    monkeypatch.setattr(mq, "validate_preconditions", lambda *a: checked.append(a))
+    monkeypatch.setattr(mq_op, "validate_preconditions", lambda *a: checked.append(a))
     monkeypatch.setenv("FLASHINFER_VALIDATE_INPUTS", "1")
     assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 1 and len(checked) == 1
     monkeypatch.delenv("FLASHINFER_VALIDATE_INPUTS")
@@ -219,8 +252,8 @@ def test_mqa_per_pool_arguments_once_per_address(mqa_stub, monkeypatch):
         maps.append(kv_ptr)
         return (kv_ptr.to_bytes(8, "little"),)
 
-    plan = (kernel, (7, 1, 1), (288, 1, 1), 99, (), kv_args, True)  # the TMA kernel's form
-    monkeypatch.setattr(mq, "_plan", lambda *a: stub.full.append(a) or plan)
+    plan = KernelPlan(kernel, (7, 1, 1), (288, 1, 1), 99, (), kv_args, True)  # the TMA form
+    monkeypatch.setattr(mq_plan, "kernel_plan", lambda *a: plan)
     other = mqa_args()
     for args in (base, base, base, other, other, base):
         mq.fp8_paged_mqa_logits(**args)
@@ -254,27 +287,9 @@ def qsa_args(rows=3, hq=8, hkv=2, d=64, page=16, blocks=24, topk=40, combined=Fa
 def qsa_stub(stub, monkeypatch):
     kernel = FakeKernel(stub.launches)
     monkeypatch.setattr(KernelFamily, "get", lambda self, params, device: kernel)
-    for module, name in ((qsa, "cuda_device_index"), (qsa, "current_stream")):
-        monkeypatch.setattr(module, name, lambda x: 0)
-    monkeypatch.setattr(qsl, "current_stream", lambda device: 0)
-    monkeypatch.setattr(qsa, "sm_count", lambda device: 132)
-    monkeypatch.setattr(qsa, "wave_clusters", lambda device: qk.H200_WAVE_CLUSTERS.__getitem__)
-
-    def impl(args, dispatch):  # qsa._impl's kernel branch, without its CUDA-device test
-        stub.full.append(args)
-        q, k_cache, indices = args[0], args[1], args[3]
-        splits, config, pair = 1, None, None
-        if dispatch:  # sm_count and wave_clusters are the H200's (above)
-            splits, config, pair = qsa.dispatch_split(
-                q.shape[0], k_cache.shape[2], indices.shape[1] - 1, q.shape[2], k_cache.dtype, 0
-            )
-        launch = qsa._decode_launch(*args[:8], splits, config=config, pair=pair)
-        if not launch.run(*args):
-            raise ValueError("not 16-byte aligned")
-        return launch
-
-    monkeypatch.setattr(qsa, "_impl", impl)
-    monkeypatch.setattr(qsa, "_replays", PlanCache())
+    fake_device(monkeypatch, qsa_op, qsa_plan, qsa_launch, qsa_checks)
+    monkeypatch.setattr(qsa_plan, "wave_clusters", lambda device: qk.H200_WAVE_CLUSTERS.__getitem__)
+    count_full_path(monkeypatch, qsa.OP, stub)
     return stub
 
 
@@ -334,9 +349,10 @@ def test_qsa_changes_the_checks_refuse_miss(qsa_stub, monkeypatch, by):
     for args, exc in bad.values():
         with pytest.raises(exc):
             qsa.qsa_sparse_paged_decode(**args)
-    # a flipped launch choice (part of the replay key)
-    monkeypatch.setattr(qsa, "SLOT_ENTRIES_PER_THREAD", 5 - qsa.SLOT_ENTRIES_PER_THREAD)
-    assert stub.runs(lambda: qsa.qsa_sparse_paged_decode(**base)) == 1
+    # other launch choices: a runner of their own, with its own replays
+    runner = qsa.OP.runner(qsa_op.with_options(slot_entries=1))
+    assert stub.runs(lambda: runner.call(**base, dispatch=False)) == 1
+    assert stub.runs(lambda: runner.call(**base, dispatch=False)) == 0
     for name in SWITCHES:
         monkeypatch.setenv(name, "1")
         assert stub.runs(lambda: qsa.qsa_sparse_paged_decode(**base)) == 1, name
@@ -348,7 +364,7 @@ def test_qsa_misaligned_replay_takes_the_full_path(qsa_stub):
     stub, base = qsa_stub, qsa_args()
     qsa.qsa_sparse_paged_decode(**base)
     out = torch.zeros(3 * 8 * 64 + 1, dtype=torch.bfloat16)[1:].view(3, 8, 64)  # 2 bytes off
-    with pytest.raises(ValueError, match="16-byte aligned"):  # stubbed _impl has no refusal
+    with pytest.raises(ValueError, match="misaligned"):  # the stubbed refusal lets it through
         qsa.qsa_sparse_paged_decode(**dict(base, out=out))
     assert len(stub.full) == 2
 
@@ -367,17 +383,8 @@ def concat_args(tokens=4, heads=2, pe_stride=64):
 def concat_stub(stub, monkeypatch):
     kernel = FakeKernel(stub.launches)
     monkeypatch.setattr(KernelFamily, "get", lambda self, params, device: kernel)
-    monkeypatch.setattr(mkp, "cuda_device_index", lambda t: 0)
-    monkeypatch.setattr(mkp, "current_stream", lambda device: 0)
-    monkeypatch.setattr(mkp, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(mkp, "_fused_refusal", lambda *a: None)
-
-    def impl(kv_nope, k_pe, key, value, nope_dim, backend):  # without the CUDA-device test
-        stub.full.append(backend)
-        return mkp._run_fused(backend, kv_nope, k_pe, key, value)
-
-    monkeypatch.setattr(mkp, "_concat_impl", impl)
-    monkeypatch.setattr(mkp, "_replays", PlanCache())
+    fake_device(monkeypatch, mkp_op, mkp_cake, mkp_specialized)
+    count_full_path(monkeypatch, mkp.OP, stub)
     return stub
 
 

@@ -40,14 +40,15 @@ def hot_overhead_us() -> dict[str, float]:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from flashinfer_jit.mla_kv_pack import _specialized, concat_mla_kv_quant_fp8
+    from flashinfer_jit.mla_kv_pack import concat_mla_kv_quant_fp8
+    from flashinfer_jit.mla_kv_pack.specialized import family
     from jit_kernels import current_stream
 
     kv = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
     pe = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)
     key, value = concat_mla_kv_quant_fp8(kv, pe)
     small = torch.zeros(16, device="cuda")
-    kernel = _specialized.get((0, 4), 0)
+    kernel = family.get((0, 4), 0)
     args = (kv.data_ptr(), pe.data_ptr(), key.data_ptr(), value.data_ptr(), 1, 1, 1, 64)
 
     def per_call(fn, n=20000) -> float:

@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,7 +42,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashinfer_jit import mla_kv_pack as mkp  # noqa: E402
-from flashinfer_jit import mla_kv_pack_cake as cake  # noqa: E402
+from flashinfer_jit.mla_kv_pack import MlaKvPackOptions, cake  # noqa: E402
+from flashinfer_jit.mla_kv_pack.op import BACKENDS  # noqa: E402
+from flashinfer_jit.mla_kv_pack.reference import pack_torch  # noqa: E402
+from jit_kernels import sm_count  # noqa: E402
 
 CEILING_TBPS = 4.24
 L2_BYTES = 60 << 20
@@ -126,11 +130,13 @@ def time_graph(fn, sets, calls: int = 20, replays: int = 15) -> float:
 def host_overhead(tokens: int = 1, heads: int = 16, calls: int = 3000) -> dict[str, float]:
     """Wall-clock µs per call on the host, ``calls`` back to back, tiny inputs."""
     kv, pe, key, value = make_sets(tokens, heads, 1)[0]
-    plan = mkp._FUSED[mkp.auto_order(tokens, heads, torch.cuda.get_device_capability())[0]][1](
-        kv, pe
-    )
-    # The bare launch: the same kernel and arguments, everything precomputed.
-    args = plan.args(kv.data_ptr(), pe.data_ptr(), key.data_ptr(), value.data_ptr())
+    first = mkp.auto_order(tokens, heads, torch.cuda.get_device_capability())[0]
+    plan = BACKENDS[first][1](kv, pe, MlaKvPackOptions())
+    # The bare launch: the same kernel and arguments (recorded from one run), precomputed.
+    kernel, recorded = plan.kernel, []
+    plan.kernel = type("Recorder", (), {"launch": lambda self, *a: recorded.append(a[3])})()
+    plan.run((kv, pe, key, value))
+    plan.kernel, args = kernel, recorded[0]
     stream = torch.cuda.current_stream().cuda_stream
     one = torch.zeros(1, device="cuda")
     cases = {
@@ -152,21 +158,27 @@ def host_overhead(tokens: int = 1, heads: int = 16, calls: int = 3000) -> dict[s
     return out
 
 
+def forced(backend: str, **plan) -> Callable:
+    """A launch of ``backend`` with a forced plan (MlaKvPackOptions), through the op."""
+    runner = mkp.OP.runner(MlaKvPackOptions(**plan))
+    return lambda kv, pe, k, v: runner((kv, pe, k, v, 128, backend))
+
+
 def variants(tokens: int, heads: int) -> dict[str, tuple]:
     """name -> (launch fn, backend, param, planned?)."""
     out = {}
     planned = mkp.plan_specialized(tokens, heads)
     for hpw in sorted({planned, 1, 2, 4, 8, 16} & set(range(1, heads + 1))):
         out[f"spec/hpw={hpw}"] = (
-            lambda kv, pe, k, v, h=hpw: mkp._launch_specialized(kv, pe, k, v, heads_per_warp=h),
+            forced("specialized", heads_per_warp=hpw),
             "specialized",
             hpw,
             hpw == planned,
         )
-    group = mkp.plan_cake(tokens, heads)
+    group = mkp.plan_cake(tokens, heads, sm_count(torch.cuda.current_device()))
     for g in cake.HEAD_GROUPS:
         out[f"cake/G={g}"] = (
-            lambda kv, pe, k, v, g=g: cake.launch(kv, pe, k, v, head_group=g),
+            forced("cake", head_group=g),
             "cake",
             g,
             g == group,
@@ -181,7 +193,7 @@ def run_point(tokens: int, heads: int) -> dict:
     kv, pe, key, value = sets[0]
     ref_key = torch.empty_like(key)
     ref_value = torch.empty_like(value)
-    mkp._pack_torch(kv, pe, ref_key, ref_value, 128)
+    pack_torch(kv, pe, ref_key, ref_value, 128)
     row = {
         "tokens": tokens,
         "heads": heads,
@@ -227,7 +239,7 @@ def run_point(tokens: int, heads: int) -> dict:
             for name, fn in b2b_fns.items():
                 rounds[name].append(time_graph(fn, sets, calls=B2B_CALLS))
         row["b2b_us"] = {name: statistics.median(v) for name, v in rounds.items()}
-        torch_fn = lambda kv, pe, k, v: mkp._pack_torch(kv, pe, k, v, 128)  # noqa: E731
+        torch_fn = lambda kv, pe, k, v: pack_torch(kv, pe, k, v, 128)  # noqa: E731
         row["torch_us"] = time_calls(torch_fn, sets[:2], TORCH_REPS)
     except Exception as exc:
         row["errors"].append(f"auto/torch: {type(exc).__name__}: {exc}")
@@ -275,7 +287,7 @@ def summarize(row: dict) -> list[str]:
 
 def write_tuned(results: Path) -> int:
     from flashinfer_jit._jit import WORKLOAD_ROOT
-    from flashinfer_jit.mla_kv_pack_tuning import Tuned, block_from_measurements
+    from flashinfer_jit.mla_kv_pack.tuning import Tuned, block_from_measurements
 
     data = json.loads(results.read_text())
     block = block_from_measurements(data["rows"], data["device"])

@@ -30,7 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashinfer_jit.mqa_logits as mq  # noqa: E402
-from flashinfer_jit.mqa_logits_tma import TmaConfig, small_work, tma_config  # noqa: E402
+from flashinfer_jit.mqa_logits import MqaLogitsOptions  # noqa: E402
+from flashinfer_jit.mqa_logits import plan as mq_plan  # noqa: E402
+from flashinfer_jit.mqa_logits.ring import ring_params  # noqa: E402
+from flashinfer_jit.mqa_logits.tma import TmaConfig, small_work, tma_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_util import warm_gpu  # noqa: E402
@@ -55,7 +58,7 @@ ROWS = [  # B, next_n, H, L, DeepGEMM us, target us (eager), target us (graph re
 # MMA, 3 = stream + epilogue, no valid output: what each part costs); ("auto", {field:
 # value}) = the dispatcher's TMA config with those fields replaced (a probe, say);
 # "no-pdl" = the dispatcher's choice launched without PDL; (warpgroups, stages, portable,
-# ring) the ring/direct kernels of mqa_logits.cuh; "generic" the runtime-geometry fallback.
+# ring) the ring/direct kernels of mqa_logits/sm90_ring_wgmma.cuh; "generic" the runtime-geometry fallback.
 VARIANTS = [
     None,
     TmaConfig(2, 0, 2, 2),
@@ -160,7 +163,7 @@ def time_eager(sets, max_len, reps):
     for i in range(reps):
         q, kv, w, table, lens = sets[i % len(sets)]
         start.record()
-        mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len)
+        logits(q, kv, w, table, lens, max_len)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
@@ -174,7 +177,7 @@ def host_us(sets, max_len, reps):
         q, kv, w, table, lens = sets[i % len(sets)]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len)
+        logits(q, kv, w, table, lens, max_len)
         times.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
     return statistics.median(times)
@@ -185,11 +188,11 @@ def time_graph(sets, max_len, reps):
     graphs, outs = [], []  # each output lives as long as its graph (a capture frees the cache)
     for q, kv, w, table, lens in sets[:8]:
         outs.append(torch.empty(q.shape[0] * q.shape[1], mq.padded_seq_len(max_len), device="cuda"))
-        mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len, out=outs[-1])
+        logits(q, kv, w, table, lens, max_len, out=outs[-1])
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len, out=outs[-1])
+            logits(q, kv, w, table, lens, max_len, out=outs[-1])
         graphs.append(g)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
@@ -214,7 +217,7 @@ def graph_of_calls(sets, max_len) -> tuple[torch.cuda.CUDAGraph, list[torch.Tens
 
     def calls() -> None:
         for (q, kv, w, table, lens), out in zip(sets[:8], outs, strict=True):
-            mq.fp8_paged_mqa_logits(q, kv, w, table, lens, max_len, out=out)
+            logits(q, kv, w, table, lens, max_len, out=out)
 
     calls()  # compile and load before the capture
     torch.cuda.synchronize()
@@ -241,13 +244,34 @@ def auto_config(batch: int, next_n: int, heads: int, length: int) -> TmaConfig:
     return tma_config(next_n * heads, small_work(batch, length, sm_count(0)))
 
 
-def set_variant(v, shape: tuple[int, int, int, int]) -> None:
-    """Force variant v (see VARIANTS) for a row's shape (batch, next_n, heads, length)."""
-    mq._config_override, mq._force_generic, mq.PDL = None, v == "generic", v != "no-pdl"
+def variant_options(v, shape: tuple[int, int, int, int]) -> MqaLogitsOptions:
+    """The options of variant v (see VARIANTS) for a row's shape (batch, next_n, heads, length)."""
+    config = None
     if isinstance(v, tuple) and v[0] == "auto":  # the dispatcher's TMA config, modified
-        mq._config_override = auto_config(*shape)._replace(**v[1])
+        config = auto_config(*shape)._replace(**v[1])
     elif isinstance(v, tuple):
-        mq._config_override = v
+        config = v
+    return MqaLogitsOptions(config=config, force_generic=v == "generic", pdl=v != "no-pdl")
+
+
+_variant = mq.OP.default  # the op's runner with the variant being timed (set_variant)
+F32 = torch.float32
+
+
+def set_runner(runner) -> None:
+    """Time the op through ``runner`` (an ``OP.runner(options)``) from now on."""
+    global _variant
+    _variant = runner
+
+
+def set_variant(v, shape: tuple[int, int, int, int]) -> None:
+    """Time variant v (see VARIANTS) for a row's shape from now on."""
+    set_runner(mq.OP.runner(variant_options(v, shape)))
+
+
+def logits(q, kv, w, table, lens, max_len, out=None) -> torch.Tensor:
+    """fp8_paged_mqa_logits with the variant set_variant chose, on the public call's path."""
+    return _variant((q, kv, w, table, lens, max_len, F32, F32, F32, None, out))
 
 
 def run_row(batch, next_n, heads, length, block, reps, variants, gen, timer=None):
@@ -258,20 +282,19 @@ def run_row(batch, next_n, heads, length, block, reps, variants, gen, timer=None
     for v in variants:
         set_variant(v, (batch, next_n, heads, length))
         try:
-            if isinstance(v, tuple) and not isinstance(mq._config_override, TmaConfig):
-                f32 = torch.float32  # a forced ring/direct config that cannot fit
-                mq._params(next_n, heads, D, block, f32, f32, f32)
-            q, kv, w, table, lens = sets[0]
-            mq._plans.clear()
-            mq._replays.clear()
-            logits = mq.fp8_paged_mqa_logits(q, kv, w, table, lens, length)
-            served = next(iter(mq._plans.values()))[0].name
-            forced = mq._config_override
+            forced = _variant.options.config
             tma = isinstance(forced, TmaConfig)
+            if isinstance(v, tuple) and not tma:  # a forced ring/direct config that cannot fit
+                ring_params((next_n, heads, D, block), (F32, F32, F32), forced)
+            q, kv, w, table, lens = sets[0]
+            mq_plan._plans.clear()
+            _variant.replays.clear()
+            got = logits(q, kv, w, table, lens, length)
+            served = next(iter(mq_plan._plans.values())).kernel.name
             if tma and "mqa_logits_tma" not in served:
                 raise KernelUnavailable(f"the TMA kernel did not serve ({served})")
             if not (tma and forced.probe):  # probes: no logits
-                check(logits, q, kv, w, table, lens)
+                check(got, q, kv, w, table, lens)
             if not results:  # the first variant after the sets are made reads up to ~5 %
                 (timer or time_eager)(sets, length, reps)  # slow (clock ramp): time it twice
             results[vname(v)] = (timer or time_eager)(sets, length, reps)
@@ -314,12 +337,12 @@ def pool_probe(reps: int) -> None:
         gen = torch.Generator().manual_seed(0)
         sets = [make_set(256, 1, 64, 8192, 64, gen, shuffle=shuffle) for _ in range(2)]
         for v in PROBES:
-            mq._config_override = v
-            mq.fp8_paged_mqa_logits(*sets[0], 8192)
+            set_variant(v, (256, 1, 64, 8192))
+            logits(*sets[0], 8192)
             rows.append(
                 ("shuffled" if shuffle else "sequential", vname(v), time_eager(sets, 8192, reps))
             )
-            mq._config_override = None
+            set_variant(None, (256, 1, 64, 8192))
         rows.append(
             ("shuffled" if shuffle else "sequential", "auto graph", time_graph(sets, 8192, reps))
         )

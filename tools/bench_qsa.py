@@ -9,7 +9,7 @@ Inputs follow the issue: D=128, page 64, valid_count uniform in [topk/2, topk] a
 it, logical indices drawn without replacement from a 16K-token context per request, pages
 scattered over a 6 GiB pool, the cache being the serving layout [blocks, Hkv, page, 2D]
 transposed and split (zero-copy). "probe" is a kernel that only gathers the same bytes
-(templates/qsa_probe.cuh): the access pattern's ceiling on this memory system. k is the
+(tools/kernels/qsa_gather_probe.cuh): the access pattern's ceiling on this memory system. k is the
 split count: 1 the single pass (slot pass + decode), k > 1 a thread block cluster of k
 CTAs per (row, kv head), "f" resolving its slots in the kernel (one launch), "s" after the
 slot pass. Several input sets rotate so L2 does not hold one call's gathers for the next;
@@ -32,10 +32,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashinfer_jit import qsa  # noqa: E402
-from flashinfer_jit import qsa_kernels as qk  # noqa: E402
-from flashinfer_jit._jit import cuda_device_index, kernel_family  # noqa: E402
-from flashinfer_jit.qsa_ref import qsa_decode_torch  # noqa: E402
-from jit_kernels import current_stream  # noqa: E402
+from flashinfer_jit._jit import cuda_device_index  # noqa: E402
+from flashinfer_jit._version import __version__  # noqa: E402
+from flashinfer_jit.qsa import kernels as qk  # noqa: E402
+from flashinfer_jit.qsa import plan as qsa_plan  # noqa: E402
+from flashinfer_jit.qsa.checks import offset_bits  # noqa: E402
+from flashinfer_jit.qsa.op import run_kernels  # noqa: E402
+from flashinfer_jit.qsa.reference import qsa_decode_torch  # noqa: E402
+from jit_kernels import I32, I64, PTR, U32, KernelBuilder, KernelFamily, current_stream  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_util import warm_gpu  # noqa: E402
@@ -81,12 +85,14 @@ ALT_CLUSTER = {
     "bulk s2": dict(bulk=True, config=qk.BULK_CLUSTER, pair=False),
     "bulk s3": dict(bulk=True, config=(4, 3, 4), pair=False),
 }
-_probe_family = kernel_family(
+# The probe is a tool's kernel: built from tools/kernels/, never shipped.
+_probe_family = KernelFamily(
+    KernelBuilder(Path(__file__).resolve().parent / "kernels", __version__ + "+tools"),
     "qsa_gather_probe",
-    "qsa_probe.cuh",
+    "qsa_gather_probe.cuh",
     "fij_qsa::qsa_gather_probe",
     ("head_dim",),
-    ("P", "I", "I", "I", "P", "I", "I", "I", "P", "i", "P", "q", "i", "i", "i", "P"),
+    (PTR, U32, U32, U32, PTR, U32, U32, U32, PTR, I32, PTR, I64, I32, I32, I32, PTR),
 )
 _pool: list[torch.Tensor] = []
 
@@ -219,7 +225,7 @@ def kernel_breakdown(run, sets, reps=5) -> str:
 
 
 def variant(splits: int, fused: bool):
-    return lambda args: qsa._run_kernels(*args, num_splits=splits, fused=fused)
+    return lambda args: run_kernels(args, num_splits=splits, fused=fused)
 
 
 def dispatcher(args):
@@ -228,12 +234,13 @@ def dispatcher(args):
 
 def dispatch_split(rows, hkv, topk) -> tuple:
     """The dispatcher's (splits, config, pair) on this device (D=128, uint8 cache)."""
-    return qsa.dispatch_split(rows, hkv, topk, HEAD_DIM, torch.uint8, 0)
+    variant = qsa_plan.dispatch_split(rows, hkv, topk, HEAD_DIM, torch.uint8, 0)
+    return variant.num_splits, variant.config, variant.pair
 
 
 def probe_runner(sets):
     """A run(args) that gathers what the decode would (slots resolved once, outside timing)."""
-    slots = {id(a): qsa._resolve_slots(a[3], a[4], a[5], a[1]) for a in sets}
+    slots = {id(a): qsa_plan.resolve_slots(a[3], a[4], a[5], a[1]) for a in sets}
     sink = torch.empty(max(a[0].shape[0] for a in sets) * 8 * 256, dtype=torch.int32, device="cuda")
 
     def run(args):
@@ -243,7 +250,7 @@ def probe_runner(sets):
         counts = indices.data_ptr() + (indices.shape[1] - 1) * indices.stride(1) * 4
         launch_args = (k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3])
         launch_args += (s.data_ptr(), s.shape[1], counts, indices.stride(0), indices.shape[1] - 1)
-        launch_args += (qsa.offset_bits(PAGE), k.shape[2], sink.data_ptr())
+        launch_args += (offset_bits(PAGE), k.shape[2], sink.data_ptr())
         _probe_family.get((HEAD_DIM,), device).launch(
             (q.shape[0], 8, 1), (256, 1, 1), current_stream(device), launch_args
         )
@@ -325,7 +332,7 @@ def bench_alternatives(gib) -> None:
             times = {}
             for label, kw in (ALT_SINGLE if single else ALT_CLUSTER).items():
                 kw = {**ship, **kw}
-                run = lambda a, kw=kw, k=k: qsa._run_kernels(*a, num_splits=k, **kw)  # noqa: E731
+                run = lambda a, kw=kw, k=k: run_kernels(a, num_splits=k, **kw)  # noqa: E731
                 times[label] = timed(run, sets, expect)
             if not single:  # round 4's rule: split_count's table, gather_choice's configs
                 table_k = qk.split_count(rows, hkv, topk)
@@ -351,9 +358,9 @@ def bench_alternatives(gib) -> None:
     print(table([*head, "verdict"], out))
     print("verdicts: " + "; ".join(verdicts))
     print(
-        "flips (one line each, flashinfer_jit/qsa.py): PDL, SLOT_ENTRIES_PER_THREAD, TMMA, "
-        "LEAN_LOOP; cp.async / bulk sN winning over the default means the gather rule "
-        "(qsa_kernels.takes_bulk, BULK_CLUSTER) moves, 1 chunk the pair rule (takes_pairs)"
+        "flips (QsaOptions' defaults, flashinfer_jit/qsa/plan.py): pdl, slot_entries, tmma, "
+        "lean; cp.async / bulk sN winning over the default means the gather rule "
+        "(qsa/kernels.py takes_bulk, BULK_CLUSTER) moves, 1 chunk the pair rule (takes_pairs)"
     )
 
 
@@ -393,7 +400,7 @@ def bench_wave(gib) -> None:
     count whose clusters all fit at once at one CTA per SM (this device's count), two
     chunks a step, at the two one-CTA-per-SM configs; and the round-4 table."""
     sizes = range(2, qk.CLUSTER_MAX + 1)
-    clusters = qsa.wave_clusters(0)
+    clusters = qsa_plan.wave_clusters(0)
     print("\n== one-wave splits: graph µs per call; clusters of 2..8 resident at once:")
     print("   " + ", ".join(f"{k}: {clusters(k)}" for k in sizes))
     out = []
@@ -408,8 +415,8 @@ def bench_wave(gib) -> None:
             if not qk.wave_fits(rows * hkv, topk, splits, clusters):
                 continue  # clusters do not all fit, too few chunks, or slots do not fit
             for name, cfg in WAVE_CONFIGS.items():
-                run = lambda a, s=splits, c=cfg: qsa._run_kernels(  # noqa: E731
-                    *a, num_splits=s, fused=True, config=c, pair=True
+                run = lambda a, s=splits, c=cfg: run_kernels(  # noqa: E731
+                    a, num_splits=s, fused=True, config=c, pair=True
                 )
                 times[f"k{splits} {name}"] = timed(run, sets, expect)
         ok = {n: t for n, t in times.items() if isinstance(t, float)}
@@ -438,7 +445,7 @@ def copy_bandwidth() -> float:
 def ncu_one(gib: float, splits: int) -> None:
     """Exactly one decode launch (rows=512 Hq=64 Hkv=4 topk=2048), after its slot pass."""
     args = make_sets(512, 64, 4, 2048, 1, gib, seed=5)[0]
-    qsa._run_kernels(*args, num_splits=splits, fused=False)
+    run_kernels(args, num_splits=splits, fused=False)
     torch.cuda.synchronize()
     print(f"one decode launch done: {splits} split(s)")
 

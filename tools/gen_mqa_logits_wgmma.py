@@ -1,4 +1,4 @@
-"""Writes templates/mqa_logits_wgmma.cuh: fp8 e4m3 wgmma wrappers, A in registers (``Wgmma``)
+"""Writes templates/mqa_logits/wgmma.cuh: fp8 e4m3 wgmma wrappers, A in registers (``Wgmma``)
 or A in shared memory (``WgmmaSS``).
 
 An inline-asm statement needs every accumulator register spelled out, so the wrappers
@@ -81,7 +81,7 @@ def main() -> None:
     text = HEAD + "".join(wrapper(n, f16) for n in SIZES for f16 in (False, True))
     text += "".join(wrapper_ss(n, f16) for n in SS_SIZES for f16 in (False, True))
     text += "\n}  // namespace fij_mqa\n"
-    out = Path(__file__).resolve().parent.parent / "templates" / "mqa_logits_wgmma.cuh"
+    out = Path(__file__).resolve().parent.parent / "templates" / "mqa_logits/wgmma.cuh"
     out.write_text(text)
     print(f"wrote {out} ({len(text.splitlines())} lines)")
 

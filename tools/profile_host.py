@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashinfer_jit.mla_kv_pack as mkp  # noqa: E402
 import flashinfer_jit.qsa as qsa  # noqa: E402
-import flashinfer_jit.qsa_kernels as qk  # noqa: E402
 from flashinfer_jit import fp8_paged_mqa_logits, padded_seq_len  # noqa: E402
+from flashinfer_jit.qsa import kernels as qk  # noqa: E402
+from flashinfer_jit.registry import OPS  # noqa: E402
 from jit_kernels import KernelFamily, LoadedKernel, native  # noqa: E402
 
 D = 128  # head_dim of the MQA and QSA rows
@@ -135,25 +136,8 @@ def install_stub() -> None:
             for attr, fake in fakes.items():
                 if hasattr(module, attr):
                     setattr(module, attr, fake)
-    import flashinfer_jit.mqa_logits as mq
-
-    mq._kernel_refusal = lambda q, kv: None
-    mkp._fused_refusal = lambda *args: None
-
-    def qsa_impl(args, dispatch):  # qsa._impl's kernel branch without its CUDA-device test
-        q, k_cache, indices = args[0], args[1], args[3]
-        rows, hkv, topk = q.shape[0], k_cache.shape[2], indices.shape[1] - 1
-        splits, config, pair = 1, None, None
-        if dispatch:
-            splits, config, pair = qsa.dispatch_split(rows, hkv, topk, q.shape[2], k_cache.dtype, 0)
-        launch = qsa._decode_launch(*args[:8], splits, config=config, pair=pair)
-        launch.run(*args)
-        return launch
-
-    def concat_impl(kv_nope, k_pe, key, value, nope_dim, backend):  # likewise
-        return mkp._run_fused(backend, kv_nope, k_pe, key, value)
-
-    qsa._impl, mkp._concat_impl = qsa_impl, concat_impl
+    for op in OPS.values():  # the kernels serve CPU tensors: no CUDA-device test, no refusal
+        op.kernel_call, op.refusal = (lambda args: True), (lambda args: None)
 
 
 # -- timing ------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
                                      [--runs 3]
 
 Builds a traced copy of the kernel: the templates copied to a temporary directory with
-%globaltimer / %clock64 / %smid stores patched into mqa_logits_tma.cuh (each patch anchor
+%globaltimer / %clock64 / %smid stores patched into mqa_logits/sm90_tma_wgmma.cuh (each patch anchor
 must occur exactly once, so a template change that moves one fails here, loudly). Runs a
 CUDA graph of 8 back-to-back calls, as tools/bench_mqa_logits.py times them, and reads the
 last call's trace. Per CTA: start, grid-dependency wait, schedule, first tile, end, SM
@@ -16,6 +16,7 @@ same SMs are the slow ones. The globaltimer ticks in steps of ~0.26 µs on the H
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import statistics
 import sys
@@ -32,6 +33,7 @@ import bench_mqa_logits as bench  # noqa: E402
 import flashinfer_jit.mqa_logits as mq  # noqa: E402
 from flashinfer_jit._jit import TEMPLATE_ROOT  # noqa: E402
 from flashinfer_jit._version import __version__  # noqa: E402
+from flashinfer_jit.mqa_logits.tma import tma_family  # noqa: E402
 from jit_kernels import KernelBuilder, KernelFamily  # noqa: E402
 
 SLOTS = 256  # per CTA: 0-15 CTA events, 16 + 48 wg + 2 o (+1): tile o's arrival (done)
@@ -44,10 +46,10 @@ __device__ __forceinline__ unsigned long long fij_clk() {
   unsigned long long t; asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)); return t; }
 #define FIJ_TRACE(slot, v) (fij_trace[blockIdx.x * 256 + (slot)] = (v))
 """
-# (anchor, replacement) pairs applied to mqa_logits_tma.cuh. Slots: 0 start, 1 clock at
+# (anchor, replacement) pairs applied to mqa_logits/sm90_tma_wgmma.cuh. Slots: 0 start, 1 clock at
 # start, 2 after the wait, 3 after the schedule, 4 tiles, 5 SM, 8 + wg end, 12 + wg clock.
 PATCHES = [
-    ('#include "mqa_logits_ring.cuh"\n', '#include "mqa_logits_ring.cuh"\n' + HEADER),
+    ('#include "mqa_logits/ring.cuh"\n', '#include "mqa_logits/ring.cuh"\n' + HEADER),
     (
         "  fij::grid_dependency_wait();",
         "  if (threadIdx.x == 0) { FIJ_TRACE(0, fij_ns()); FIJ_TRACE(1, fij_clk()); }\n"
@@ -77,21 +79,21 @@ PATCHES = [
 def traced_family(root: Path) -> KernelFamily:
     """The TMA family built from a traced copy of the templates under ``root``."""
     shutil.copytree(TEMPLATE_ROOT, root, dirs_exist_ok=True)
-    path = root / "mqa_logits_tma.cuh"
+    path = root / "mqa_logits/sm90_tma_wgmma.cuh"
     text = path.read_text()
     for anchor, replacement in PATCHES:
         if text.count(anchor) != 1:
             raise SystemExit(f"trace anchor not found exactly once in {path.name}: {anchor!r}")
         text = text.replace(anchor, replacement)
     path.write_text(text)
-    f = mq.tma_family
+    f = tma_family
     return KernelFamily(
         KernelBuilder(root, __version__ + "+trace"),
         "mqa_logits_tma_trace",
         f.template,
         f.kernel,
         f.param_names,
-        f.packer.signature,
+        f.signature,
     )
 
 
@@ -105,13 +107,12 @@ def trace_call(family: KernelFamily, shape: tuple, seed: int, probe: int) -> dic
     batch, next_n, heads, length = shape
     gen = torch.Generator().manual_seed(seed)
     sets = [bench.make_set(batch, next_n, heads, length, 64, gen) for _ in range(8)]
-    original = mq.tma_family
     try:
-        bench.set_variant(("auto", {"probe": probe}) if probe else None, shape)
+        variant = ("auto", {"probe": probe}) if probe else None
+        bench.set_variant(variant, shape)
         untraced = bench.time_graph_calls(sets, length, 40)
-        mq.tma_family = family
-        mq._plans.clear()
-        mq._replays.clear()
+        options = bench.variant_options(variant, shape)
+        bench.set_runner(mq.OP.runner(dataclasses.replace(options, tma_family=family)))
         traced = bench.time_graph_calls(sets, length, 40)  # the last call's trace survives
         ptr, size = next(iter(family._loaded.values())).global_buffer("fij_trace")
         trace = torch.empty(size // 8, dtype=torch.int64)
@@ -121,9 +122,6 @@ def trace_call(family: KernelFamily, shape: tuple, seed: int, probe: int) -> dic
         assert int(err) == 0, err
     finally:
         bench.set_variant(None, shape)
-        mq.tma_family = original
-        mq._plans.clear()
-        mq._replays.clear()
     ctas = torch.cuda.get_device_properties(0).multi_processor_count
     tr = trace.view(-1, SLOTS)[:ctas].double()
     wgs = bench.auto_config(*shape).warpgroups

@@ -1,0 +1,331 @@
+"""The op contract: what every op supplies, and the one call path all ops share.
+
+An op is an ``Op`` subclass. It declares its arguments (``TensorArg`` / ``ScalarArg``, in
+the public order) and supplies:
+
+- ``prepare(args)``: check every argument (``ValueError``/``TypeError`` naming it and the
+  rule) and allocate the outputs the caller left as None; return the completed args;
+- ``refusal(args)``: why its kernels cannot serve a checked call (None: they can);
+- ``plan(args, options)``: a ``LaunchPlan`` (a typed, slotted object holding everything
+  but the tensors' addresses), or ``KernelUnavailable``;
+- ``reference(args)``: the torch implementation that defines the semantics;
+- ``result(args)``: what the public function returns;
+- ``prebuild_specs(workloads, options)``: the specializations the shipped workloads reach.
+
+``Runner`` is the call path, written once: replay fast path -> checks -> plan -> launch,
+or the torch path with the reason reported once (``jit_kernels.fall_back``). The replay
+key and guard come from the declared tensor arguments (``jit_kernels.plan_cache``); the
+code that reads them out of a call is generated once per op, so a repeat call costs what
+a hand-written one did: a tuple display, the guard, a dict lookup and the launch.
+Each op is registered as a torch custom op with a fake (``torch.compile`` keeps it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+import torch
+from torch.compiler import is_compiling as _is_compiling  # one global, not two lookups
+
+from jit_kernels import KernelSpec, KernelUnavailable, fall_back, kernels_disabled
+from jit_kernels.plan_cache import PlanCache, absent
+
+from ._jit import WORKLOAD_ROOT
+
+REQUIRED = object()  # a ScalarArg without a default
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorArg:
+    """A tensor argument. ``dense``: the kernels read it densely (a contiguous copy if not),
+    so the replay key holds its contiguity, not its strides. ``optional``: None allowed.
+    ``mutated``: an output (allocated by ``prepare`` when given as None)."""
+
+    name: str
+    dense: bool = False
+    optional: bool = False
+    mutated: bool = False
+
+    def schema(self, alias: str) -> str:
+        if self.mutated:
+            return f"Tensor({alias}!) {self.name}"
+        return f"Tensor{'?' if self.optional else ''} {self.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalarArg:
+    """A scalar argument; ``schema_type`` is its torch schema type (int, float, bool, str,
+    ScalarType); ``default`` what ``Runner.call`` passes when it is not named (REQUIRED:
+    it must be). ``typed``: the replay compares its type too (True == 1 == 1.0, but the
+    checks may accept one and refuse another); not needed where only equal values of one
+    type compare equal (str, torch.dtype)."""
+
+    name: str
+    schema_type: str
+    default: Any = dataclasses.field(default_factory=lambda: REQUIRED)
+    typed: bool = True
+
+    def schema(self, alias: str) -> str:
+        return f"{self.schema_type} {self.name}"
+
+
+Arg = TensorArg | ScalarArg
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """An op's variant choices (frozen, typed). The defaults are the shipped choices; tests
+    and tools pass others to ``Op.runner`` to compare variants."""
+
+
+class LaunchPlan(Protocol):
+    """A checked call's launch with everything but the addresses fixed by its metadata."""
+
+    replay: bool  # whether a repeat call may replay it
+
+    def run(self, args: tuple) -> Any:
+        """Launch for ``args`` on the current stream and return the op's result; None, with
+        nothing launched, when an address breaks what the metadata cannot fix (alignment)."""
+
+
+PlanT = TypeVar("PlanT", bound=LaunchPlan)
+OptionsT = TypeVar("OptionsT", bound=Options)
+
+
+class Op(Generic[PlanT, OptionsT]):
+    """One op: its arguments, checks, refusal reasons, planner, reference and specs."""
+
+    name: ClassVar[str]  # the CLI's and the registry's name
+    log_name: ClassVar[str]  # what fallbacks are reported as
+    custom_op: ClassVar[str]  # torch.ops.flashinfer_jit.<custom_op>
+    workloads: ClassVar[str]  # a file in flashinfer_jit/workloads/
+    args: ClassVar[tuple[Arg, ...]]
+    options_type: ClassVar[type[Options]] = Options
+
+    def __init__(self) -> None:
+        self._runners: dict[Options, Runner] = {}
+        self._lock = threading.Lock()
+        self.default = self.runner(self.options_type())
+        self._register()
+
+    # -- what each op supplies ---------------------------------------------------------------
+    def prepare(self, args: tuple) -> tuple:
+        raise NotImplementedError
+
+    def empty(self, args: tuple) -> bool:
+        """Nothing to compute (no rows): neither kernels nor the torch path run."""
+        return False
+
+    def kernel_call(self, args: tuple) -> bool:
+        """Whether the kernels are meant for this checked call at all (False: the torch
+        path without a report, e.g. CPU tensors)."""
+        first = args[0]
+        return first.device.type == "cuda"
+
+    def refusal(self, args: tuple) -> str | None:
+        raise NotImplementedError
+
+    def plan(self, args: tuple, options: OptionsT) -> PlanT:
+        raise NotImplementedError
+
+    def reference(self, args: tuple) -> None:
+        raise NotImplementedError
+
+    def result(self, args: tuple) -> Any:
+        raise NotImplementedError
+
+    def prebuild_specs(self, workloads: dict, options: OptionsT) -> list[KernelSpec]:
+        raise NotImplementedError
+
+    # -- shared ----------------------------------------------------------------------------
+    def load_workloads(self) -> dict:
+        return json.loads((WORKLOAD_ROOT / self.workloads).read_text())
+
+    def runner(self, options: OptionsT) -> Runner[PlanT, OptionsT]:
+        """The call path with ``options`` (one per distinct options, each with its own
+        replay cache, so options never enter a replay key)."""
+        found = self._runners.get(options)
+        if found is None:
+            if not isinstance(options, self.options_type):
+                raise TypeError(f"{self.name} takes {self.options_type.__name__}, got {options!r}")
+            with self._lock:
+                found = self._runners.setdefault(options, Runner(self, options))
+        return found
+
+    def serve(self, args: tuple, options: OptionsT) -> PlanT | None:
+        """Run a checked call on the kernels, else the torch path; return the plan a repeat
+        call may replay (None: torch served, nothing to do, or not replayable)."""
+        if self.empty(args):
+            return None
+        if not kernels_disabled() and self.kernel_call(args):
+            reason = self.refusal(args)
+            if reason is None:
+                try:
+                    plan = self.plan(args, options)
+                except KernelUnavailable as exc:
+                    reason = str(exc)
+                else:
+                    if plan.run(args) is None:  # the refusal checked the addresses
+                        raise ValueError(f"{self.log_name}: a tensor is misaligned for its kernel")
+                    return plan if plan.replay else None
+            fall_back(self.log_name, reason)
+        self.reference(args)
+        return None
+
+    def _register(self) -> None:
+        aliases = iter("abcdefghij")
+        fields = ", ".join(
+            a.schema(next(aliases) if getattr(a, "mutated", False) else "") for a in self.args
+        )
+        mutated = tuple(a.name for a in self.args if getattr(a, "mutated", False))
+        default = self.default
+
+        def impl(*args) -> None:
+            self.serve(args, default.options)
+
+        registered = torch.library.custom_op(
+            f"flashinfer_jit::{self.custom_op}",
+            impl,
+            mutates_args=mutated,
+            schema=f"({fields}) -> ()",
+        )
+        registered.register_fake(_writes_outputs_only)
+        self.traced = registered
+
+
+def _writes_outputs_only(*args) -> None:  # the op writes only outputs the caller holds
+    return None
+
+
+def _readers(args: Sequence[Arg]) -> tuple[str, str, dict]:
+    """(scalars, tensors, stand-ins): the expressions that read a call's replay scalars and
+    tensors out of ``a`` (its args), and the ``absent()`` stand-ins they name."""
+    scalars, tensors, env = [], [], {}
+    for i, arg in enumerate(args):
+        if isinstance(arg, ScalarArg):
+            scalars.append(f"type(a[{i}]), a[{i}]" if arg.typed else f"a[{i}]")
+        elif arg.optional:
+            env[f"_none{i}"] = absent()  # one stand-in each: a guard refuses one twice
+            scalars.append(f"a[{i}] is None")
+            tensors.append(f"_none{i} if a[{i}] is None else a[{i}]")
+        else:
+            tensors.append(f"a[{i}]")
+    return f"({', '.join(scalars)},)", f"({', '.join(tensors)},)", env
+
+
+def _key_parts(args: Sequence[Arg]) -> str:
+    """The key's per-tensor parts (jit_kernels.plan_cache) of the tensors ``t``."""
+    dense = [arg.dense for arg in args if isinstance(arg, TensorArg)]
+    parts = []
+    for j, is_dense in enumerate(dense):
+        layout = "is_contiguous()" if is_dense else "stride()"
+        parts.append(f"t[{j}].shape, t[{j}].{layout}, t[{j}].dtype, t[{j}].get_device()")
+    return ", ".join(parts)
+
+
+# A runner's call path, generated per op with its argument readers inlined: a loop over
+# the declaration, or a helper call per step, would cost a repeat call ~0.1-1 us more.
+_RUN = """
+def inputs(a):
+    return {scalars}, {tensors}
+
+def key(s, t):
+    try:
+        return (s, {parts})
+    except (AttributeError, TypeError, IndexError):
+        return None
+
+def run(a):
+    if is_compiling():
+        return traced(a)
+    scalars, tensors = {scalars}, {tensors}
+    plan, k = recall(scalars, tensors), None
+    if plan is None:
+        k = key(scalars, tensors)
+        plan = get(k, tensors)
+    if plan is not None:
+        result = plan.run(a)
+        if result is not None:
+            return result
+        if k is None:  # a recalled plan declined these addresses: the full path decides
+            k = key(scalars, tensors)
+    return full(a, k, tensors)
+"""
+
+
+class Runner(Generic[PlanT, OptionsT]):
+    """An op's call path with one set of options, and its replay cache.
+
+    ``run(args)`` (``args`` in the op's declared order) is what the public function calls:
+    a call whose tensors repeat an earlier kernel call's metadata (and scalars) replays
+    that call's plan with the new addresses, skipping checks and planning; any other call
+    is checked, planned and launched (or served by torch) and its plan stored. ``inputs``
+    and ``key`` read a call's replay scalars, tensors and key (jit_kernels.plan_cache).
+    """
+
+    def __init__(self, op: Op[PlanT, OptionsT], options: OptionsT):
+        self.op, self.options = op, options
+        self.replays: PlanCache[PlanT] = PlanCache()  # bound below: clear it, never replace
+        scalars, tensors, env = _readers(op.args)
+        source = _RUN.format(scalars=scalars, tensors=tensors, parts=_key_parts(op.args))
+        env.update(
+            is_compiling=_is_compiling,
+            traced=self._traced,
+            recall=self.replays.recall,
+            get=self.replays.get,
+            full=self._full,
+        )
+        exec(compile(source, f"<flashinfer_jit.contract {op.name}>", "exec"), env)  # noqa: S102
+        self.run: Callable[[tuple], Any] = env["run"]
+        self.inputs: Callable[[tuple], tuple] = env["inputs"]
+        self.key: Callable[[tuple, tuple], tuple | None] = env["key"]
+
+    def __call__(self, args: tuple) -> Any:
+        return self.run(args)
+
+    def _full(self, args: tuple, key: tuple | None, tensors: tuple) -> Any:
+        """The full path: checks, then the kernels (or torch); the plan stored under ``key``."""
+        op = self.op
+        args = op.prepare(args)
+        plan = op.serve(args, self.options)  # eager calls skip the custom-op dispatcher
+        if plan is not None and key is not None:
+            self.replays.put(key, plan, tensors)
+        return op.result(args)
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        """``__call__`` with the arguments as the public function takes them (tests and
+        tools): positional in the declared order, then by name; optional tensors and
+        scalars with a default may be left out."""
+        names = [a.name for a in self.op.args]
+        if len(args) > len(names) or any(n in kwargs for n in names[: len(args)]):
+            raise TypeError(
+                f"{self.op.name}: arguments {names}, got {len(args)} + {sorted(kwargs)}"
+            )
+        kwargs.update(zip(names, args, strict=False))
+        args = []
+        for arg in self.op.args:
+            if arg.name in kwargs:
+                args.append(kwargs.pop(arg.name))
+            elif isinstance(arg, TensorArg) and arg.optional:
+                args.append(None)
+            elif isinstance(arg, ScalarArg) and arg.default is not REQUIRED:
+                args.append(arg.default)
+            else:
+                raise TypeError(f"{self.op.name}: missing argument {arg.name!r}")
+        if kwargs:
+            raise TypeError(f"{self.op.name}: unknown arguments {sorted(kwargs)}")
+        return self(tuple(args))
+
+    def _traced(self, args: tuple) -> Any:
+        if self is not self.op.default:
+            raise RuntimeError(
+                f"{self.op.name}: a runner with non-default options is eager-only "
+                "(torch.compile records the op's custom op, which takes the shipped choices)"
+            )
+        args = self.op.prepare(args)
+        self.op.traced(*args)
+        return self.op.result(args)

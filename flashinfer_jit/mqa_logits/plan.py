@@ -1,0 +1,165 @@
+"""Which logits kernel serves a call and how it launches: the TMA kernel (sm_90, head_dim
+128; its config for small calls when ``tma.small_work`` says so), else the ring/direct
+specialization, else the generic kernel. Small calls stream their KV with an L2
+evict-first policy (the kernels' kv_evict_first argument, see KvPolicy in
+templates/mqa_logits/ring.cuh)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+
+import torch
+
+from jit_kernels import KernelFamily, KernelSpec, KernelUnavailable, capability, sm_count
+from jit_kernels.plan_cache import PlanCache
+
+from .._jit import cuda_device_index
+from ..contract import Options
+from .checks import kernel_smem
+from .generic import generic_plan, generic_specs
+from .launch import KernelPlan, Launch
+from .ring import RingConfig, ring_family, ring_params
+from .schedule import SCHEDULE_THREADS, schedule_family
+from .tma import (
+    TMA_DIM,
+    TmaConfig,
+    kv_tensor_map,
+    small_work,
+    tma_config,
+    tma_family,
+    tma_smem_bytes,
+    tma_stages,
+    tma_threads,
+)
+
+log = logging.getLogger("flashinfer_jit.mqa_logits")
+
+
+@dataclasses.dataclass(frozen=True)
+class MqaLogitsOptions(Options):
+    """Variants the tests and tools/bench_mqa_logits.py compare. ``config``: a ring/direct
+    (warpgroups, stages, portable, ring) turns the TMA kernel off (stages 0: as many as fit
+    the ring); a ``TmaConfig`` forces that kernel's config (stages 0: as many as fit; probe
+    1/2/3: the benchmark's timing probes, which write no valid logits). ``force_generic``:
+    always the generic kernel. ``pdl``: the TMA kernel goes out as a programmatic dependent
+    launch (its launch and prologue overlap the previous kernel's tail; it waits for that
+    kernel's results before reading anything). ``tma_family``: another build of the TMA
+    kernel with its parameters (an instrumented one, tools/trace_mqa_logits.py)."""
+
+    config: RingConfig | TmaConfig | None = None
+    force_generic: bool = False
+    pdl: bool = True
+    tma_family: KernelFamily | None = None
+
+
+def _launchable(plan: KernelPlan, what: str) -> KernelPlan:
+    """``plan`` if one block fits an SM (registers x threads, shared memory), else
+    KernelUnavailable: a config that cannot launch is refused here, never at launch time."""
+    if plan.kernel.blocks_per_sm(plan.block[0], plan.smem) < 1:
+        raise KernelUnavailable(
+            f"{what} cannot launch: {plan.kernel.num_regs()} registers x {plan.block[0]} "
+            f"threads, {plan.smem} bytes of shared memory do not fit one SM"
+        )
+    return plan
+
+
+def _tma_plan(geometry, dtypes, device: int, small: int, evict: int, options) -> KernelPlan:
+    next_n, heads, dim, block_size = geometry
+    n = next_n * heads
+    forced = options.config
+    config = forced if isinstance(forced, TmaConfig) else tma_config(n, small)
+    if config.stages == 0:
+        config = config._replace(
+            stages=tma_stages(n, config.warpgroups, config.producers, config.qbuf)
+        )
+        if config.stages < config.warpgroups:
+            raise KernelUnavailable(f"forced TMA config {forced}: no ring stage fits")
+    family = tma_family if options.tma_family is None else options.tma_family
+    kernel = family.get((*geometry, *dtypes, *config), device)
+    smem = tma_smem_bytes(n, config.warpgroups, config.stages, config.qbuf)
+    threads = tma_threads(config.warpgroups, config.producers)
+
+    def kv_map(kv_ptr: int, kv_fused: torch.Tensor) -> tuple[bytes]:
+        return (kv_tensor_map(kv_ptr, kv_fused.shape[0], block_size),)
+
+    grid = (sm_count(device), 1, 1)
+    return KernelPlan(kernel, grid, (threads, 1, 1), smem, (evict,), kv_map, options.pdl)
+
+
+def _specialized_plan(geometry, dtypes, device: int, small: int, evict: int, options) -> KernelPlan:
+    """The TMA kernel where it applies and can be had, else the ring/direct kernel."""
+    next_n, heads, dim, _ = geometry
+    forced = options.config
+    tma = isinstance(forced, TmaConfig)
+    if tma or (forced is None and dim == TMA_DIM and capability(device) == (9, 0)):
+        try:
+            return _launchable(_tma_plan(geometry, dtypes, device, small, evict, options), "TMA")
+        except KernelUnavailable as exc:
+            log.info("fp8_paged_mqa_logits: TMA kernel unavailable for %s (%s)", geometry, exc)
+    params = ring_params(geometry, dtypes, None if tma else forced)
+    kernel = ring_family.get(params, device)
+    warpgroups, stages, _, ring = params[7:11]
+    smem = kernel_smem(next_n * heads, dim, warpgroups, stages, ring)
+    threads = 128 * warpgroups + (32 if ring else 0)  # the ring kernel's producer warp
+    plan = KernelPlan(kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, (evict,))
+    return _launchable(plan, kernel.name)
+
+
+# (geometry, dtypes, device, small, options) -> plan: a call that misses the replay (a
+# new out layout, say) skips choosing the variant and sizing the launch.
+_plans: PlanCache[KernelPlan] = PlanCache(replay=False)
+
+
+def kernel_plan(geometry, dtypes, device: int, small: int, options) -> KernelPlan:
+    """The kernel that serves ``geometry`` (next_n, num_heads, head_dim, block_size) and
+    ``dtypes`` (output, epilogue, accumulator) for a call of small-work class ``small``
+    (``tma.small_work``), and its launch."""
+    key = (geometry, dtypes, device, small, options)
+    plan = _plans.get(key)
+    if plan is None:
+        evict = int(small > 0)
+        why = "forced"
+        if not options.force_generic:
+            try:
+                plan = _specialized_plan(geometry, dtypes, device, small, evict, options)
+            except KernelUnavailable as exc:
+                why = str(exc)
+        if plan is None:
+            plan = _launchable(generic_plan(geometry, *dtypes, device, why, evict), "generic")
+        _plans.put(key, plan)
+    return plan
+
+
+def launch_for(args: tuple, options: MqaLogitsOptions) -> Launch:
+    """The launch of a checked call (nothing is launched here)."""
+    q, kv_fused, weights, block_tables, seq_lens, max_seq_len = args[:6]
+    device = cuda_device_index(q)
+    geometry = (q.shape[1], q.shape[2], q.shape[3], kv_fused.shape[1])
+    small = small_work(q.shape[0], max_seq_len, sm_count(device))
+    plan = kernel_plan(geometry, args[6:9], device, small, options)
+    return Launch(plan, device, q, weights, block_tables, seq_lens, args[10], max_seq_len)
+
+
+def prebuild_specs(workloads: dict) -> list[KernelSpec]:
+    """Every specialization the shipped workloads reach, plus the schedule kernel."""
+    dtype = {"float32": torch.float32, "float16": torch.float16}
+    specs = {schedule_family.spec((SCHEDULE_THREADS,)), *generic_specs()}
+    for next_n, heads, dim, block, out_dt, epi_dt, acc_dt in itertools.product(
+        workloads["next_n"],
+        workloads["num_heads"],
+        workloads["head_dim"],
+        workloads["block_size"],
+        workloads["output_dtype"],
+        workloads.get("epi_dtype", ["float32"]),
+        workloads.get("acc_dtype", ["float32"]),
+    ):
+        geometry = (int(next_n), int(heads), int(dim), int(block))
+        dtypes = (dtype[out_dt], dtype[epi_dt], dtype[acc_dt])
+        specs.add(ring_family.spec(ring_params(geometry, dtypes)))
+        if geometry[2] == TMA_DIM:  # sm_90a's kernels (the spec names its arch)
+            for small in range(3):  # the classes of tma.small_work
+                config = tma_config(next_n * heads, small)
+                specs.add(tma_family.spec((*geometry, *dtypes, *config)))
+    return sorted(specs, key=str)

@@ -1,0 +1,184 @@
+"""The sm_90a TMA form of the paged MQA logits kernel (templates/mqa_logits/sm90_tma_wgmma.cuh): its
+family, launch configuration and the tensor map over the fused KV pool.
+
+The tensor map views the pool's fp8 values as ``[num_blocks][block_size][128]`` bytes
+(block stride ``block_size * 132``) with the 128-byte swizzle wgmma reads. It depends on
+the pool's address and size only, so it is encoded once per pool and cached: a serving
+engine's pool never moves, and the hot path is one dict lookup.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from jit_kernels import TENSOR_MAP, KernelUnavailable
+
+from .._jit import kernel_family
+from .checks import SMEM_LIMIT, STATIC_SMEM, TILE, reg_cap
+from .ring import LOGITS_ARGS
+
+TMA_DIM = 128  # head_dim the kernel is specialized for (one 128-byte swizzle row per token)
+TMA_MAX_STAGES = 24
+_VALUES = TILE * TMA_DIM  # fp8 bytes of one 64-token tile
+
+tma_family = kernel_family(
+    "mqa_logits_tma",
+    "mqa_logits/sm90_tma_wgmma.cuh",
+    "fij_mqa::paged_mqa_logits_tma",
+    (
+        "next_n",
+        "num_heads",
+        "head_dim",
+        "block_size",
+        "output_dtype",
+        "epi_dtype",
+        "acc_dtype",
+        "warpgroups",
+        "stages",
+        "producers",
+        "qbuf",
+        "probe",
+    ),
+    (*LOGITS_ARGS, TENSOR_MAP),  # + the KV pool's tensor map
+    archs=("sm_90a",),
+)
+
+
+class TmaConfig(NamedTuple):
+    """The TMA kernel's launch configuration: its template parameters after the geometry and
+    dtypes. As ``MqaLogitsOptions.config`` (tests, benchmarks) ``stages`` 0 means as many
+    as fit."""
+
+    warpgroups: int  # consumer warpgroups
+    stages: int  # ring stages
+    producers: int  # producer warps
+    qbuf: int  # Q buffers per warpgroup (2: the next request's Q is prefetched)
+    probe: int = 0  # benchmark only: 1/2/3 time parts of the kernel and write no logits
+
+
+def tma_regs(n: int) -> int:
+    """Registers a consumer thread needs: f32 accumulators + ~32 of addressing and epilogue
+    (ptxas on sm_90a: 72 at n=64, 94 at n=128, 134 at n=192 with room to spare)."""
+    return n // 2 + 32
+
+
+def lane_weight_bytes(n: int) -> int:
+    """One weight buffer (LaneWeights in templates/mqa_logits/tile.cuh): 4 lane rows of
+    n/4 floats, each padded to 16 bytes plus 16."""
+    return 4 * 4 * (-(-n // 16) * 4 + 4)
+
+
+def tma_smem_bytes(n: int, warpgroups: int, stages: int, qbuf: int) -> int:
+    """Dynamic shared memory (TmaLayout in the template, + 1024 bytes of alignment slack):
+    per stage the tile's values, scales, descriptor and two mbarriers; per warpgroup
+    ``qbuf`` Q buffers and weight buffers."""
+    per_buffer = n * TMA_DIM + lane_weight_bytes(n)
+    return stages * (_VALUES + TILE * 4 + 32) + warpgroups * qbuf * per_buffer + 1024
+
+
+def tma_stages(
+    n: int, warpgroups: int, producers: int, qbuf: int, cap: int = TMA_MAX_STAGES
+) -> int:
+    """The most stages, at most ``cap`` (a multiple of the warpgroups and of the producer
+    warps), that fit beside the Q buffers."""
+    free = SMEM_LIMIT - STATIC_SMEM - tma_smem_bytes(n, warpgroups, 0, qbuf)
+    stages = max(0, min(cap, free // (_VALUES + TILE * 4 + 32)))
+    unit = math.lcm(warpgroups, producers)
+    return stages // unit * unit
+
+
+def tma_threads(warpgroups: int, producers: int) -> int:
+    return 128 * warpgroups + 32 * producers
+
+
+# Tiles per SM at most (an upper bound from max_seq_len) of the small-call classes 1 and 2.
+SMALL_WORK_TILES_PER_SM = (32, 16)
+
+
+def small_work(batch: int, max_seq_len: int, num_sms: int) -> int:
+    """How small a call is: 2 with at most 16 tiles per SM, 1 with at most 32, else 0. The
+    tiles are bounded from max_seq_len: the host does not read seq_lens."""
+    tiles = batch * -(-max_seq_len // TILE)
+    return sum(tiles <= per_sm * num_sms for per_sm in SMALL_WORK_TILES_PER_SM)
+
+
+# Ring depth (64-token stages): 8-10 (68-85 KB of reads in flight per SM, what HBM's
+# latency under load needs) stream the pool fastest; small calls 6 (see tma_config).
+RING_STAGES = 10  # at most, in any config tma_config picks
+SMALL_CONFIG = TmaConfig(2, 6, 2, 2)  # small calls at n <= 64, and the smallest at n = 128
+NARROW_CONFIG = TmaConfig(3, 9, 3, 2)  # the other calls at n <= 64
+
+
+def tma_config(n: int, small: int = 0) -> TmaConfig:
+    """The configuration for next_n*num_heads = n (``small``: the class of small_work).
+
+    Ring depth, measured on the H200 (per call in a graph of 8, BENCHMARKS.md, MQA round 9):
+    a ring deeper than about 10 stages queues more reads than HBM's latency needs, and
+    the calls were slower, most (8-9 %) at 47-62 tiles per SM. At n=64 with 4 warpgroups x 16
+    stages against 3 x 9: B=256 L=8192 66.3 against 64.8 us, B=64 21.6 against 19.8, B=32
+    L=16384 22.0 against 20.1; at B=32 L=8192, 2 x 22 against 2 x 6: 12.0 against 11.4.
+
+    - Small calls at n <= 64, and the smallest at n = 128: SMALL_CONFIG, two warpgroups
+      with 3 stages each (half the Q loads of more warpgroups).
+    - Other calls at n <= 64: NARROW_CONFIG, three warpgroups with 9 stages (four with 8
+      read ~1 % slower).
+    - Larger n: the most warpgroups (at most 4) whose accumulators fit the block's register
+      cap, since the consumers are latency-bound; one producer warp per warpgroup (warp p
+      feeds warpgroup p, so one slow warpgroup does not hold up the others' stages); two Q
+      buffers (prefetch) while that leaves at least 2 ring stages per warpgroup, else one
+      (n=128: 83.7 against 88.0 us with one buffer at B=256, next_n=2, round 3); at most
+      RING_STAGES stages. n=128: 4 warpgroups x 8 stages; n=192: 3 x 9.
+    """
+    if (small and n <= 64) or (small >= 2 and n == 128):
+        return SMALL_CONFIG
+    if n <= 64:
+        return NARROW_CONFIG
+    for warpgroups in (4, 3, 2, 1):
+        producers = warpgroups
+        if tma_regs(n) > reg_cap(tma_threads(warpgroups, producers)):
+            continue
+        for qbuf in (2, 1):
+            stages = tma_stages(n, warpgroups, producers, qbuf, RING_STAGES)
+            if stages >= 2 * warpgroups:
+                return TmaConfig(warpgroups, stages, producers, qbuf)
+    raise KernelUnavailable(f"next_n*num_heads={n} does not fit the TMA kernel")
+
+
+_maps: dict[tuple[int, int, int], bytes] = {}
+_MAPS_MAX = 64
+
+
+def kv_tensor_map(kv_ptr: int, num_blocks: int, block_size: int) -> bytes:
+    """The 128-byte CUtensorMap of a fused pool (cached per address and size)."""
+    key = (kv_ptr, num_blocks, block_size)
+    found = _maps.get(key)
+    if found is not None:
+        return found
+    from cuda.bindings import driver as cu
+
+    if num_blocks < 1:
+        raise KernelUnavailable("kv_fused has no blocks: no tensor map to encode")
+    u64, u32 = cu.cuuint64_t, cu.cuuint32_t
+    err, tmap = cu.cuTensorMapEncodeTiled(
+        cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        3,
+        kv_ptr,
+        [u64(TMA_DIM), u64(block_size), u64(num_blocks)],
+        [u64(TMA_DIM), u64(block_size * (TMA_DIM + 4))],
+        [u32(TMA_DIM), u32(min(block_size, TILE)), u32(1)],
+        [u32(1), u32(1), u32(1)],
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        # 128, not 256: the tiles are whole 128-byte rows, and 256-byte promotion slowed
+        # the streaming by 5-8 % on the H200 (BENCHMARKS.md, MQA round 7).
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    )
+    if int(err) != 0:
+        raise KernelUnavailable(f"cuTensorMapEncodeTiled failed for kv_fused: {err!r}")
+    encoded = b"".join(int(word).to_bytes(8, "little") for word in tmap.opaque)
+    if len(_maps) >= _MAPS_MAX:
+        _maps.clear()
+    _maps[key] = encoded
+    return encoded

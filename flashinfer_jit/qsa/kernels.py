@@ -1,0 +1,405 @@
+"""The QSA decode's kernels (split from ``qsa``): families, launch configs, split rule, specs.
+
+``plan.decode_launch`` picks a call's kernels with these helpers, and warm-up and prebuild
+enumerate their specializations with the same helpers, so the three cannot drift apart.
+
+The gathers and split-K forms come from one H200 sweep of variants (CUDA-graph µs per
+call, whole call; D=128, page 64, the issue's inputs; rows/Hq/Hkv/topk; the single pass's
+later loop forms, slot entries and PDL: QsaOptions in plan.py and BENCHMARKS.md):
+
+    single pass                        512/64/4/2048   2048/32/4/1024
+      cp.async gathers (before)            274.4           513.1
+      256-byte bulk copies                 252.2           479.5
+      + row order, early prologue, gate    242.8           478.0   <- shipped (round 3)
+      + split QK chains                    242.0           476.2   (+12 registers, 127: no)
+      128-byte bulk copies (K, V apart)    321.7           613.6   (cp.async stays for those)
+    cluster split-K                     64/64/4/2048    4/64/4/2048
+      before                                47.7            14.7
+      interleaved splits + gate             47.5            13.7   <- shipped where bulk did not
+      + bulk copies, 2 stages               43.5            14.3   <- shipped on multi-wave grids
+
+Bulk copies fetch a token's K and V rows (256 bytes) at once, so they need D = 128 and V
+right after K in memory with K's strides: the combined [blocks, Hkv, page, 2D] cache split
+as the seed's warm-up does. Other caches and head dims keep the cp.async gathers.
+
+Round 4 (q copied with the first loads, see templates/qsa/util.cuh q_copy) re-swept the
+clusters (CUDA-graph µs per call, D=128, page 64; pairs = rows x Hkv; cp = cp.async):
+
+    rows/Hq/Hkv/topk   old rule           best                 runner-up
+    1/64/4/2048        k8 cp s3     9.4   k8 cp s2      8.9    k8 cp s3  9.2
+    4/64/4/2048        k8 cp s3    13.1   k4 cp s2     11.9    k4 cp s3 12.2, k8 cp s2 12.4
+    8/64/4/2048        k8 cp s3    19.3   k4 cp s2     14.5    k4 cp s3 15.2, k2 cp s2 17.4
+    16/64/4/2048       k4 cp s3    23.5   k2 cp s2     18.3    k2 cp s3 18.4, k4 bulk 23.4
+    32/64/4/2048       k2 bulk     30.0   k2 cp s2     26.8    k2 cp s3 27.4, k2 bulk 29.8
+    64/64/4/2048       k2 bulk     44.3   k2 bulk      44.5    k2 cp s2 48.2
+    4/64/4/8192        k8 cp s3    22.8   k8 cp s2     22.2    k8 cp s3 23.1
+    16/64/4/8192       k8 cp s3    54.1   k8 cp s2     50.5    k8 cp s3 51.2
+    64/64/4/8192       k4 bulk    144.3   k2 bulk     135.3    k4 bulk 144.6
+    4/32/8/4096        k8 cp s3    20.8   k4 cp s2     20.2    k8 cp s2 21.3
+    16/32/8/4096       k4 bulk     46.9   k4 cp s2     45.9    k4 cp s3 46.3
+
+so fewer splits than before (split_count's table), two cp.async stages for clusters, and
+bulk copies only for 2-CTA clusters over more than two waves of one CTA per SM (with 4-8
+CTA clusters the cp.async gathers won even at 512 CTAs).
+
+Round 5 (a globaltimer trace per CTA, rows=4: slot lookups 1.5-1.8 µs, issuing the first
+copies 1.5 µs, the loop 4 µs, the merges 2 µs) showed a small call bound by the bytes one
+SM keeps in flight: an SM pulls ~30 GB/s of scattered 256-byte rows, so the calls go
+faster the more SMs share them, one CTA on each. Hence wave_split: as many splits as keep
+every cluster resident at once with one CTA per SM (WAVE_CONFIG's 144 KB of shared memory
+allows no second), counted by the device (jit_kernels.max_active_clusters: a cluster
+stays within a GPC, so the H200 runs 66/39/30/22/17/15/15 clusters of 2..8, not 132/k).
+H200, graph µs, in-kernel slots, two chunks a step; shipped = split_count's table:
+
+    rows/Hq/Hkv/topk  shipped    wave (8 warps x 4 stages)   4 warps x 8 stages
+    1/64/4/2048       k8  7.72   k8  7.96                    k8  7.96
+    2/64/4/2048       k8  8.36   k8  8.73                    k8  8.69
+    3/64/4/2048       k4 10.45   k8  8.99                    k8  8.92
+    4/64/4/2048       k4 10.55   k6  9.72                    k6  9.96
+    6/64/4/2048       k4 11.86   k4 11.24                    k4 11.15
+    8/64/4/2048       k4 14.26   k3 12.97                    k3 13.55
+    12/64/4/2048      k2 17.97   k2 16.00                    k2 16.42
+    16/64/4/2048      k2 18.11   k2 16.79                    k2 17.40
+    4/32/4/2048       k4 10.31   k6  9.13                    k6  9.18
+    1/32/8/1024       k8  6.07   k8  6.24                    k8  6.40
+
+so the wave split with 8 warps of 4 stages, except where the split's grid is at most half
+a wave (rows 1-2 above), which keeps CLUSTER_PAIR_CONFIG. Selections whose splits' slots
+do not fit the in-kernel list (topk 8192 below 8 splits) keep the table (not measured).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jit_kernels import (
+    F32,
+    I32,
+    I64,
+    PTR,
+    U32,
+    KernelFamily,
+    KernelSpec,
+    shipped_smem_per_block,
+)
+
+from .._jit import kernel_family
+
+CHUNK = 16  # tokens per warp step (kChunk in templates/qsa/util.cuh)
+SLOT_THREADS = 256  # kSlotThreads in templates/qsa/sm89_slot_pass.cuh
+SLOT_ENTRIES = (1, 2, 4, 8)  # slot-pass entries per thread the template allows
+_RED_PAD = 4  # kRedPad in templates/qsa/util.cuh
+_BULK_STAGE_BYTES = 4224  # kBulkStageBytes in templates/qsa/bulk.cuh
+SMEM_LIMIT = shipped_smem_per_block()  # what one CTA may use on every shipped arch
+
+# (num_warps, num_stages, min_ctas) of the cp.async single pass per head dim. A warp stage holds
+# one 16-token chunk of K and V (D * 32 bytes); min_ctas is the launch bound (4 CTAs of 4
+# warps moves Q to shared memory to fit 128 registers). D=128: 4 x 52 KB of shared memory,
+# 16 warps per SM. (Round 3: several kv heads per CTA were slower at every shape.)
+DECODE_CONFIG = {64: (4, 8, 1), 128: (4, 3, 4), 256: (4, 2, 1)}
+# The bulk-copy decode (D=128): the single pass keeps 4 CTAs of 3 stages (4 x 54 KB); a
+# cluster, whose partials need room too, 2 stages to keep 4 CTAs per SM. cp.async clusters
+# at D=128 take 2 stages too (round 4, table above); other head dims the single pass's.
+BULK_SINGLE_PASS = (4, 3, 4)
+BULK_CLUSTER = (4, 2, 4)
+CLUSTER_CONFIG = {128: (4, 2, 4)}
+# A cp.async cluster grid of half a wave or less (one CTA per SM) steps its warps two chunks
+# at a time (PAIR, templates/qsa/rows.cuh): its 6 stages hold 3 pairs, and 1 CTA per SM
+# lifts the 128-register launch bound. H200, graph µs (one chunk a step, (4, 2, 4) -> pairs
+# (4, 4, 1) / (4, 6, 1)): rows/Hq/Hkv/topk 1/64/4/2048 8.9 -> 8.6 / 8.7, 2/64/4/2048 9.7 ->
+# 9.2 / 9.1, 4/64/4/2048 12.0 -> 11.2 / 10.9, 4/32/4/2048 11.6 -> 10.6 / 10.8; at 128 CTAs
+# pairs lost (8/64/4/2048 14.8 -> 15.5, 4/64/4/8192 22.4 -> 23.0, 4/32/8/4096 19.7 -> 20.2).
+# Four chunks a step ((4, 8, 1), a generalized loop tried in ff1b678) against two, later
+# kernels: 10.43 / 10.51, 7.83 / 7.76, 8.72 / 8.31, 10.47 / 10.05 (rows 4, 1, 2 of G=16 and
+# rows 4 of G=8): no better, so the pairs stay, in the loop the GPU tests ran.
+CLUSTER_PAIR_CONFIG = (4, 6, 1)
+# The one-wave split's launch (wave_split, round 5 above): one CTA per SM by its shared memory.
+WAVE_CONFIG = (8, 4, 1)
+# Split-K: the CLUSTER_SIZES splits of a (row, kv head) are one thread block cluster
+# merging through distributed shared memory; a split whose share fits CLUSTER_SLOT_CAP
+# entries resolves its own slots (no slot pass: one launch a call). Round 3 (H200, G=16
+# Hkv=4): cluster split-K beat the workspace split-K (now removed) everywhere, and with 2
+# splits it beat the single pass at rows * Hkv = 512 and 1024 too (topk 2048: 101 vs 113
+# and 174 vs 194 µs; topk 8192: 331 vs 384 and 583 vs 714). _SPLIT_TABLE (round 4, the
+# sweep above): per TOPK bucket, the most (row, kv head) pairs that still take 8 splits,
+# then 4; more pairs take 2. Longer selections want more splits for as many pairs (more
+# work per split amortizes the merge). Each split keeps _MIN_CHUNKS_PER_SPLIT chunks.
+# DECODE_MIN_PROGRAMS: rows * Hkv from which one pass runs (the measured crossover; see
+# plan.use_fp8_decode_kernel).
+CLUSTER_SIZES = (2, 4, 8)  # the table's; wave_split takes any of 2..CLUSTER_MAX
+CLUSTER_MAX = 8  # the portable cluster size limit
+TMMA_MAX_GROUP = 8  # tokens as MMA rows: the group fills the MMA's 8 columns
+CLUSTER_SLOT_CAP = 1024
+DECODE_MIN_PROGRAMS = 2048
+_SPLIT_TABLE = ((2048, 8, 32), (4096, 16, 128), (None, 64, 128))  # (TOPK up to, 8 to, 4 to)
+_MIN_CHUNKS_PER_SPLIT = 8
+
+slots_family = kernel_family(
+    "qsa_slots",
+    "qsa/sm89_slot_pass.cuh",
+    "fij_qsa::qsa_slots",
+    ("page_size", "order", "entries"),
+    (PTR, I64, I64, PTR, I64, I64, PTR, I64, PTR, I32, I32, I32, I32, I32, I32),
+)
+_DECODE_SIGNATURE = (
+    *(PTR, I64, I64),  # q
+    *(PTR, U32, U32, U32, PTR, U32, U32, U32),  # k, v caches and their byte strides (32-bit)
+    *(PTR, I32, PTR, I64, I32, I32, I32),  # slots, counts, topk, offset bits, Hkv
+    *(PTR, I64, I64, PTR, I64, I64),  # out, gate
+    *(F32, F32),  # scales
+    *(PTR, I64, PTR, I64, I64, I32, I32, PTR, I64, I32, I32),  # fused slot resolution's inputs
+)
+_DECODE_PARAMS = ("group_size", "head_dim", "num_warps", "num_stages", "min_ctas")
+decode_family = kernel_family(
+    "qsa_decode",
+    "qsa/sm89_mma_decode.cuh",
+    "fij_qsa::qsa_decode",
+    (*_DECODE_PARAMS, "bulk"),
+    _DECODE_SIGNATURE,
+)
+# The single pass in its TMMA / LEAN loop form (QsaOptions.tmma and .lean; decode_plan).
+decode_form_family = kernel_family(
+    "qsa_decode_form",
+    "qsa/sm89_mma_decode.cuh",
+    "fij_qsa::qsa_decode_form",
+    (*_DECODE_PARAMS, "bulk", "tmma", "lean"),
+    _DECODE_SIGNATURE,
+)
+cluster_family = kernel_family(
+    "qsa_decode_cluster",
+    "qsa/sm89_mma_decode.cuh",
+    "fij_qsa::qsa_decode_cluster",
+    (*_DECODE_PARAMS, "cluster", "slot_cap", "bulk", "pair"),
+    _DECODE_SIGNATURE,
+)
+
+Config = tuple[int, int, int]  # (num_warps, num_stages, min_ctas)
+Plan = tuple[KernelFamily, tuple]  # a family and its parameters
+# cluster size -> clusters of WAVE_CONFIG CTAs the device runs at once (plan.wave_clusters)
+Clusters = Callable[[int], int]
+# What jit_kernels.max_active_clusters answers on the H200 for WAVE_CONFIG launches of 2..8
+# CTAs (measured): the device-free stand-in of the CPU tests and tools/profile_host.py --stub.
+H200_WAVE_CLUSTERS = {2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}
+
+
+def decode_smem_bytes(
+    head_dim: int, config: Config, cluster: int, slot_cap: int, bulk: bool
+) -> int:
+    """DecodeSmem<...>::kBytes of templates/qsa/util.cuh."""
+    warps, stages, min_ctas = config
+    q_in_smem = head_dim > 128 or warps * min_ctas >= 16
+    q_bytes = (head_dim // 64) * 4 * 32 * 16 if q_in_smem else 0
+    stage = warps * stages * (_BULK_STAGE_BYTES if bulk else head_dim * 32)
+    red = warps * 16 * (head_dim + _RED_PAD) * 4 + warps * 16 * 2 * 4
+    items = -(-16 * (head_dim // 8) // cluster) if cluster else 0  # inbox_items
+    inbox = cluster * (items * 8 + 16 * 2) * 4
+    bars = warps * stages * 8 if bulk else 0
+    return q_bytes + max(stage + slot_cap * 4, red) + inbox + bars
+
+
+def split_count(rows: int, num_kv_heads: int, topk: int) -> int:
+    """The dispatcher's splits per (row, kv head): 1 (single pass) or a cluster size."""
+    pairs = max(1, rows * num_kv_heads)
+    if pairs >= DECODE_MIN_PROGRAMS:
+        return 1
+    _, eight, four = next(row for row in _SPLIT_TABLE if row[0] is None or topk <= row[0])
+    k = 8 if pairs <= eight else 4 if pairs <= four else 2
+    while k > 1 and -(-topk // CHUNK) < k * _MIN_CHUNKS_PER_SPLIT:
+        k //= 2
+    return k
+
+
+def wave_smem_bytes(cluster: int) -> int:
+    """Shared memory of a WAVE_CONFIG launch of ``cluster`` splits (in-kernel slots)."""
+    return decode_smem_bytes(128, WAVE_CONFIG, cluster, CLUSTER_SLOT_CAP, False)
+
+
+def wave_fits(pairs: int, topk: int, splits: int, clusters: Clusters) -> bool:
+    """Whether ``splits`` CTAs per (row, kv head) qualify for the one-wave launch: the
+    clusters of ``pairs`` pairs all run at once with one CTA per SM, and each split keeps
+    _MIN_CHUNKS_PER_SPLIT chunks and its slots in the kernel."""
+    enough = -(-topk // CHUNK) >= splits * _MIN_CHUNKS_PER_SPLIT
+    return enough and fused_fits(topk, splits) and pairs <= clusters(splits)
+
+
+def wave_split(pairs: int, head_dim: int, topk: int, clusters: Clusters) -> int:
+    """The most splits (2..CLUSTER_MAX) that ``wave_fits``; 0 where none does (or D != 128:
+    two chunks a step need it)."""
+    if head_dim != 128:
+        return 0
+    return next((k for k in range(CLUSTER_MAX, 1, -1) if wave_fits(pairs, topk, k, clusters)), 0)
+
+
+def launch_split(
+    rows: int, num_kv_heads: int, topk: int, head_dim: int, sms: int, clusters: Clusters
+) -> tuple[int, Config | None, bool | None]:
+    """The dispatcher's (splits, config, pair) for a call it splits (below the single pass's
+    crossover): the one-wave split where there is one (CLUSTER_PAIR_CONFIG when its grid is
+    at most half a wave, else WAVE_CONFIG; two chunks a step), else split_count's table
+    with gather_choice's rule (config and pair None)."""
+    pairs = max(1, rows * num_kv_heads)
+    k = wave_split(pairs, head_dim, topk, clusters) if pairs < DECODE_MIN_PROGRAMS else 0
+    if k:
+        return k, CLUSTER_PAIR_CONFIG if 2 * pairs * k <= sms else WAVE_CONFIG, True
+    return split_count(rows, num_kv_heads, topk), None, None
+
+
+def fused_fits(topk: int, num_splits: int) -> bool:
+    """Whether one split's share of the slots fits the in-kernel slot list."""
+    chunks = -(-topk // CHUNK)
+    per_split = -(-chunks // num_splits) * CHUNK
+    return 0 < per_split <= CLUSTER_SLOT_CAP
+
+
+def takes_bulk(bulk_ok: bool, cluster: int, grid_ctas: int, sms: int) -> bool:
+    """The shipped gather: bulk copies wherever they apply (``bulk_ok``: D=128, V right
+    after K) for the single pass; of the clusters, only 2-CTA ones over more than two waves
+    of one CTA per SM (the round 4 sweep above)."""
+    return bulk_ok and (not cluster or (cluster == 2 and grid_ctas > 2 * sms))
+
+
+def default_config(head_dim: int, cluster: int, bulk: bool) -> Config:
+    if bulk:
+        return BULK_CLUSTER if cluster else BULK_SINGLE_PASS
+    if cluster:
+        return CLUSTER_CONFIG.get(head_dim, DECODE_CONFIG[head_dim])
+    return DECODE_CONFIG[head_dim]
+
+
+def pairs_apply(head_dim: int, cluster: int, bulk: bool) -> bool:
+    """Whether a launch can step two chunks at a time: a cp.async cluster at D=128."""
+    return bool(cluster) and not bulk and head_dim == 128
+
+
+def takes_pairs(head_dim: int, cluster: int, bulk: bool, grid_ctas: int, sms: int) -> bool:
+    """The shipped step: two chunks at a time where pairs apply and the grid is at most
+    half a wave."""
+    return pairs_apply(head_dim, cluster, bulk) and 2 * grid_ctas <= sms
+
+
+def checked_config(config: tuple, head_dim: int, bulk: bool, pair: bool = False) -> Config:
+    """An opt-in (warps, stages, min CTAs): in the template's ranges and within SMEM_LIMIT."""
+    warps, stages, min_ctas = (int(c) for c in config)
+    if warps not in (4, 8) or not 2 <= stages <= 8 or not 1 <= min_ctas <= 8:
+        raise ValueError(f"config (warps, stages, min_ctas) out of range: {config}")
+    if pair and (stages < 4 or stages % 2):
+        raise ValueError(f"two chunks a step need an even number of stages >= 4: {config}")
+    worst = decode_smem_bytes(head_dim, (warps, stages, min_ctas), 8, CLUSTER_SLOT_CAP, bulk)
+    if worst > SMEM_LIMIT:
+        raise ValueError(f"config {config} needs more than {SMEM_LIMIT} bytes of shared memory")
+    return warps, stages, min_ctas
+
+
+def gather_choice(
+    head_dim: int,
+    cluster: int,
+    grid_ctas: int,
+    sms: int,
+    bulk_ok: bool,
+    bulk: bool | None = None,
+    config: tuple | None = None,
+    pair: bool | None = None,
+) -> tuple[bool, Config, bool]:
+    """(bulk, config, pair) of a decode launch: the shipped rule, or opt-in overrides,
+    checked."""
+    if bulk is None:
+        bulk = takes_bulk(bulk_ok, cluster, grid_ctas, sms)
+    elif bulk and not bulk_ok:
+        raise ValueError(
+            "bulk copies need head_dim 128, v_cache right after k_cache with its strides "
+            "(the combined cache) and sm_90+"
+        )
+    if pair is None:  # a config given without pair: the one-chunk step
+        pair = config is None and takes_pairs(head_dim, cluster, bulk, grid_ctas, sms)
+    elif pair and (not cluster or bulk):
+        raise ValueError("two chunks a step: cp.async clusters only")
+    if config is None:
+        config = CLUSTER_PAIR_CONFIG if pair else default_config(head_dim, cluster, bulk)
+        return bool(bulk), config, bool(pair)
+    return bool(bulk), checked_config(config, head_dim, bulk, pair), bool(pair)
+
+
+def slot_plan(page_size: int, order: bool, entries: int) -> Plan:
+    return slots_family, (page_size, order, entries)
+
+
+def decode_plan(
+    group: int,
+    head_dim: int,
+    cluster: int,
+    fused: bool,
+    bulk: bool,
+    config: Config,
+    tmma: bool = False,
+    lean: bool = False,
+    pair: bool = False,
+) -> Plan:
+    """The decode kernel of a single pass (``cluster`` 0) or of a cluster split-K. The single
+    pass's loop forms: ``tmma``, tokens as the MMAs' rows (groups of at most 8
+    heads; ignored above); ``lean``, loop invariants kept in registers. A cluster's
+    ``pair``: two chunks a step."""
+    if not cluster:
+        tmma = tmma and group <= TMMA_MAX_GROUP
+        if tmma or lean:
+            return decode_form_family, (group, head_dim, *config, bulk, tmma, lean)
+        return decode_family, (group, head_dim, *config, bulk)
+    return cluster_family, (group, head_dim, *config, cluster, CLUSTER_SLOT_CAP * fused, bulk, pair)
+
+
+def dispatch_plans(
+    group: int,
+    head_dim: int,
+    page_size: int,
+    num_kv_heads: int,
+    topk: int,
+    bulk_ok: bool,
+    sms: int,
+    entries: int,
+    clusters: Clusters,
+    tmma: bool = False,
+    lean: bool = False,
+) -> list[Plan]:
+    """Every kernel the dispatcher and the single-pass function launch for calls of this
+    geometry, whatever their row count: the single pass (its loop form as ``tmma`` and
+    ``lean`` flip it) with its ordered slot pass, and the cluster split-K of each row count
+    below DECODE_MIN_PROGRAMS / Hkv (``clusters``: the device's, see launch_split)."""
+    single = default_config(head_dim, 0, bulk_ok)
+    plans = [slot_plan(page_size, True, entries)]
+    plans.append(decode_plan(group, head_dim, 0, False, bulk_ok, single, tmma, lean))
+    if not topk:
+        return plans  # nothing to split: the single pass serves every row count
+    for rows in range(1, -(-DECODE_MIN_PROGRAMS // num_kv_heads)):
+        splits, config, pair = launch_split(rows, num_kv_heads, topk, head_dim, sms, clusters)
+        if splits == 1:
+            continue
+        fused = fused_fits(topk, splits)
+        grid = rows * num_kv_heads * splits
+        bulk, config, pair = gather_choice(head_dim, splits, grid, sms, bulk_ok, None, config, pair)
+        if not fused:
+            plans.append(slot_plan(page_size, False, entries))
+        plans.append(decode_plan(group, head_dim, splits, fused, bulk, config, pair=pair))
+    return list(dict.fromkeys(plans))
+
+
+def all_specs(
+    group: int, head_dim: int, page_size: int, entries: int, tmma: bool = False, lean: bool = False
+) -> list[KernelSpec]:
+    """Every specialization the dispatcher can launch for this geometry on any cache, row
+    count and TOPK (prebuild), the single pass in the loop form ``tmma``/``lean`` pick."""
+    bulks = (False, True) if head_dim == 128 else (False,)
+    plans = [slot_plan(page_size, order, entries) for order in (True, False)]
+    for bulk in bulks:
+        single = default_config(head_dim, 0, bulk)
+        plans.append(decode_plan(group, head_dim, 0, False, bulk, single, tmma, lean))
+        for cluster in CLUSTER_SIZES:
+            config = default_config(head_dim, cluster, bulk)
+            for fused in (True, False):
+                plans.append(decode_plan(group, head_dim, cluster, fused, bulk, config))
+                if pairs_apply(head_dim, cluster, bulk):  # small grids take it
+                    pairs = (cluster, fused, False, CLUSTER_PAIR_CONFIG)
+                    plans.append(decode_plan(group, head_dim, *pairs, pair=True))
+    # The one-wave splits (launch_split): any cluster size, as the device's GPCs decide.
+    for cluster in range(2, CLUSTER_MAX + 1) if pairs_apply(head_dim, 2, False) else ():
+        for config in (CLUSTER_PAIR_CONFIG, WAVE_CONFIG):
+            plans.append(decode_plan(group, head_dim, cluster, True, False, config, pair=True))
+    return [family.spec(params) for family, params in list(dict.fromkeys(plans))]

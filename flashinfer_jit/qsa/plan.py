@@ -1,0 +1,216 @@
+"""The QSA decode's launch plan: which kernels a checked call takes (slot pass -> single
+pass; small batches a cluster split-K that merges through distributed shared memory and
+may resolve its own slots) and their launch shapes, as a ``DecodeLaunch`` that a repeat
+call replays. The kernel families, configs and split rule are ``kernels``'s."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from jit_kernels import capability, current_stream, max_active_clusters, sm_count
+
+from .._jit import cuda_device_index
+from ..contract import Options
+from .checks import FP8_CACHE_DTYPES, offset_bits
+from .kernels import (
+    CHUNK,
+    CLUSTER_SIZES,
+    CLUSTER_SLOT_CAP,
+    DECODE_MIN_PROGRAMS,
+    SLOT_ENTRIES,
+    SLOT_THREADS,
+    WAVE_CONFIG,
+    Clusters,
+    decode_plan,
+    decode_smem_bytes,
+    fused_fits,
+    gather_choice,
+    launch_split,
+    slot_plan,
+    wave_smem_bytes,
+)
+from .launch import DecodeLaunch, SlotPass
+
+
+@dataclasses.dataclass(frozen=True)
+class QsaOptions(Options):
+    """The QSA launch choices; tools/bench_qsa.py --lean times each against the others.
+
+    ``pdl``: every kernel a programmatic dependent launch (its launch and shared-memory
+    setup overlap the previous kernel's tail). ``slot_entries``: slot-pass entries per
+    thread (1, 2, 4 or 8; a thread's loads are all in flight at once, so more entries mean
+    fewer threads waiting out the same two round trips). The single pass's loop forms:
+    ``tmma``, groups of <= 8 query heads take the chunk's tokens as the MMAs' rows (half the
+    MMAs, exponentials and accumulators: no padding heads); ``lean``, the loop's per-thread
+    invariants stay in registers and the stages advance by counters. sm_90a SASS per
+    16-token chunk (G=8, D=128, bulk): 332 instructions before, 260 with both.
+    H200, graph µs per call (BENCHMARKS.md, 512 / 2048 / 256 rows): shipped 241.3 / 450.2 /
+    410.7; all four off 248.1 / 484.0 / 422.9; each one off: no PDL 243.3 / 451.8 / 416.0,
+    1 slot entry 245.8 / 454.2 / 416.4, no TMMA - / 473.0 / 416.3, no LEAN 243.1 / 458.1 /
+    414.0. The other forms stay reachable for that comparison and are GPU-tested.
+    """
+
+    pdl: bool = True
+    slot_entries: int = 4
+    tmma: bool = True
+    lean: bool = True
+
+    def __post_init__(self) -> None:
+        if self.slot_entries not in SLOT_ENTRIES:
+            raise ValueError(f"slot_entries must be one of {SLOT_ENTRIES}, got {self.slot_entries}")
+
+
+def bulk_ok(k_cache, v_cache, device: int) -> bool:
+    """Whether one 256-byte bulk copy can fetch a token's K and V rows: D = 128 and V right
+    after K with K's strides (the combined cache split, as the seed's warm-up does), sm_90+."""
+    return (
+        k_cache.shape[3] == 128
+        and v_cache.stride() == k_cache.stride()
+        and v_cache.data_ptr() == k_cache.data_ptr() + 128
+        and capability(device) >= (9, 0)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A launch's forced shape (tools, tests): ``num_splits`` 1 is the single pass (after
+    the slot pass), 2..8 a thread block cluster; ``fused`` (clusters only) resolves the
+    slots in the decode (None: where a split's share fits CLUSTER_SLOT_CAP); ``config``
+    (warps, stages, min CTAs), ``bulk`` (the gather) and ``pair`` (two chunks a step)
+    replace the shipped rule where not None."""
+
+    num_splits: int = 1
+    fused: bool | None = None
+    config: tuple[int, int, int] | None = None
+    bulk: bool | None = None
+    pair: bool | None = None
+
+
+def _splits(topk: int, variant: Variant) -> tuple[int, int, bool]:
+    """(splits, cluster size or 0, fused) of a variant, checked."""
+    num_splits, fused = variant.num_splits, variant.fused
+    if not 1 <= num_splits <= CLUSTER_SIZES[-1]:
+        raise ValueError(
+            f"num_splits must be in [1, {CLUSTER_SIZES[-1]}] (cluster), got {num_splits}"
+        )
+    if topk == 0:
+        num_splits = 1  # nothing to split: the single pass writes the zeros
+    cluster = num_splits if num_splits > 1 else 0
+    if fused and not (cluster and fused_fits(topk, num_splits)):
+        raise ValueError(
+            f"fused slots need a cluster whose splits hold <= {CLUSTER_SLOT_CAP} entries each"
+        )
+    if fused is None:
+        fused = bool(cluster) and fused_fits(topk, num_splits)
+    return num_splits, cluster, fused
+
+
+def decode_launch(args: tuple, options: QsaOptions, variant: Variant) -> DecodeLaunch:
+    """What a call launches (nothing is launched here); a repeat call replays it."""
+    q, k_cache, v_cache, logical_indices, block_table, token_to_req = args[:6]
+    rows, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    topk = logical_indices.shape[1] - 1
+    num_splits, cluster, fused = _splits(topk, variant)
+    device = cuda_device_index(q)
+    grid_ctas, can_bulk = rows * num_kv_heads * num_splits, bulk_ok(k_cache, v_cache, device)
+    bulk, config, pair = gather_choice(
+        head_dim, cluster, grid_ctas, sm_count(device), can_bulk, variant.bulk, variant.config,
+        variant.pair,
+    )  # fmt: skip
+    family, params = decode_plan(
+        num_q_heads // num_kv_heads, head_dim, cluster, fused, bulk, config, options.tmma,
+        options.lean, pair,
+    )  # fmt: skip
+    slot_pass = None
+    if not fused:
+        slot_pass = make_slot_pass(
+            logical_indices, block_table, token_to_req, k_cache, not cluster, options
+        )
+    return DecodeLaunch(
+        family.get(params, device),
+        (rows * num_kv_heads, num_splits, 1),
+        (32 * config[0], 1, 1),
+        decode_smem_bytes(head_dim, config, cluster, CLUSTER_SLOT_CAP * fused, bulk),
+        device,
+        slot_pass,
+        -(-topk // CHUNK) * CHUNK,
+        offset_bits(page_size),
+        args[:8],
+        head_dim if bulk else 0,
+        options.pdl,
+    )
+
+
+def make_slot_pass(
+    logical_indices, block_table, token_to_req, k_cache, order: bool, options: QsaOptions
+) -> SlotPass:
+    """The slot pass of this metadata: [rows, TOPK rounded up to a chunk] int32 slots, then
+    (``order``) the rows longest first, which the single pass reads."""
+    rows, topk = logical_indices.shape[0], logical_indices.shape[1] - 1
+    num_blocks, page_size, _, _ = k_cache.shape
+    columns = -(-topk // CHUNK) * CHUNK
+    entries = options.slot_entries
+    kernel = None
+    if columns or order:
+        family, params = slot_plan(page_size, order, entries)
+        kernel = family.get(params, cuda_device_index(logical_indices))
+    return SlotPass(
+        kernel,
+        (rows + order, max(1, -(-columns // (SLOT_THREADS * entries))), 1),
+        (SLOT_THREADS, 1, 1),
+        columns,
+        logical_indices,
+        block_table,
+        token_to_req,
+        num_blocks,
+        offset_bits(page_size),
+        order,
+        options.pdl,
+    )
+
+
+def resolve_slots(logical_indices, block_table, token_to_req, k_cache) -> torch.Tensor:
+    """The slot pass alone (tools): [rows, TOPK rounded up to a chunk] int32 packed slots,
+    -1 masked."""
+    options = QsaOptions(pdl=False)
+    slot_pass = make_slot_pass(logical_indices, block_table, token_to_req, k_cache, False, options)
+    ptrs = (logical_indices.data_ptr(), block_table.data_ptr(), token_to_req.data_ptr())
+    slots = slot_pass.run(*ptrs, current_stream(cuda_device_index(logical_indices)))
+    return slots.view(logical_indices.shape[0], -(-(logical_indices.shape[1] - 1) // CHUNK) * CHUNK)
+
+
+def wave_clusters(device: int) -> Clusters:
+    """Cluster size -> how many clusters of WAVE_CONFIG CTAs ``device`` runs at once (the
+    one-wave split rule, kernels.launch_split); memoized by the engine."""
+    threads = 32 * WAVE_CONFIG[0]
+    return lambda k: max_active_clusters(device, k, threads, wave_smem_bytes(k))
+
+
+def use_fp8_decode_kernel(base_programs: int, cache_dtype: torch.dtype) -> bool:
+    """Whether a call with ``base_programs = rows * num_kv_heads`` takes the single pass.
+
+    Below DECODE_MIN_PROGRAMS the dispatcher splits each (row, kv head)'s selection over a
+    thread block cluster of 2-8 CTAs (``kernels.launch_split``). Measured on the H200 (sm_90,
+    tools/bench_qsa.py, CUDA-graph µs, D=128, page 64): 2-CTA clusters beat the single pass
+    up to rows * Hkv = 1024 (G=16, Hkv=4: 256 rows, topk 2048: 147 vs 150; topk 8192:
+    511 vs 537; 64 rows: 48 vs 50), the two tie at 2048 (512 rows, Hq=64, topk 2048: 278 vs
+    278; 256 rows, Hq=32, Hkv=8, topk 4096: 499 vs 500), and the single pass wins at 8192
+    (2048 rows, topk 1024: 517 vs 595). The crossover is therefore 2048, where the single
+    pass needs no cluster. The same rule is used on every arch (sm_100 not measured).
+    """
+    return cache_dtype in FP8_CACHE_DTYPES and base_programs >= DECODE_MIN_PROGRAMS
+
+
+def dispatch_split(
+    rows: int, num_kv_heads: int, topk: int, head_dim: int, cache_dtype: torch.dtype, device: int
+) -> Variant:
+    """The dispatcher's variant for a call: 1 split (the single pass) from the crossover on,
+    else kernels.launch_split on this device's SMs and clusters."""
+    if use_fp8_decode_kernel(rows * num_kv_heads, cache_dtype):
+        return Variant()
+    sms, clusters = sm_count(device), wave_clusters(device)
+    splits, config, pair = launch_split(rows, num_kv_heads, topk, head_dim, sms, clusters)
+    return Variant(splits, None, config, None, pair)

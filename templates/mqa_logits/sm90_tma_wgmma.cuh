@@ -1,0 +1,299 @@
+// The Hopper form of the paged MQA logits kernel (sm_90a, head_dim 128): both wgmma
+// operands come straight from shared memory, so a consumer warpgroup spends its issue
+// slots on the epilogue, not on moving K into registers.
+//
+//   * K: producer warps (one per consumer warpgroup, each feeding its tiles) stream each
+//     64-token tile into a ring stage with the tensor memory accelerator
+//     (cp.async.bulk.tensor through a host-built tensor map over the fused pool viewed as
+//     [num_blocks][block_size][128] bytes, 128-byte swizzle), which lays the rows out as
+//     wgmma's K-major SW128 operand; the tile's fp32 scales follow with a plain bulk copy.
+//     Same ring, barriers and tile order as mqa_logits/ring.cuh.
+//   * Q: each consumer warpgroup keeps QBUF SW128 Q buffers (+ weights). With two, it
+//     loads its first request's Q and the next request's at the start, and whenever it
+//     moves on to a request prefetches the one after it (cp.async) into the buffer just
+//     left, so a request change costs a barrier, not a global-memory round trip. (At the
+//     start every SM fills its ring: a load issued then waits behind that burst for
+//     microseconds, so the second request's Q must not wait for the first tile.) With one
+//     buffer (large next_n*num_heads, where shared memory is better spent on ring stages)
+//     it loads Q when the request changes.
+//   * Per tile: S^T = K_tile . Q^T with one wgmma m64nNk32 per k step (A and B descriptors), then the
+//     epilogue of mqa_logits/tile.cuh (ReLU, weights, head sum in-thread, scale, store).
+//   * The kernel waits for the preceding grid (griddepcontrol.wait) before its first global
+//     read, so the host may launch it as a programmatic dependent launch.
+// PROBE (benchmark only) leaves out parts to time the rest: 1 = consumers release each
+// stage untouched (the streaming alone), 2 = no epilogue (stream + MMA), 3 = no MMA
+// (stream + epilogue on unset accumulators). 0 is the kernel.
+#pragma once
+#include "mqa_logits/ring.cuh"
+
+namespace fij_mqa {
+
+// A CUtensorMap by value (the driver's opaque 128-byte object, 64-byte aligned). Passed
+// as a __grid_constant__ parameter, so the TMA unit reads it from parameter memory.
+struct alignas(64) TensorMap {
+  unsigned long long words[16];
+};
+
+__device__ __forceinline__ void tma_load_rows(unsigned dst, const TensorMap* map, int row, int block, unsigned bar,
+                                              KvPolicy kp) {
+  const unsigned long long m = reinterpret_cast<unsigned long long>(map);
+  if (kp.evict_first)
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, "
+        "{%2, %3, %4}], [%5], %6;" ::"r"(dst),
+        "l"(m), "r"(0), "r"(row), "r"(block), "r"(bar), "l"(kp.policy)
+        : "memory");
+  else
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];" ::"r"(dst),
+        "l"(m), "r"(0), "r"(row), "r"(block), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_4(unsigned dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all_but_last() {  // every group but the newest
+  asm volatile("cp.async.wait_group 1;" ::: "memory");
+}
+
+// wgmma descriptor of a K-major e4m3 operand in the 128-byte swizzle: 128-byte rows, 8-row
+// groups 1024 bytes apart (SBO), the tile 1024-byte aligned. +2 per 32-byte k step.
+__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
+// Shared memory (bytes from a 1024-aligned base): value stages, QBUF Q buffers per consumer
+// warpgroup, scales, QBUF weight buffers per warpgroup, tile descriptors, mbarriers. The
+// host adds 1024 bytes of slack for the alignment. Mirrored by tma_smem_bytes in
+// flashinfer_jit/mqa_logits_tma.py.
+template <int N, int WGS, int STAGES, int QBUF>
+struct TmaLayout {
+  static constexpr int kVals = kTile * 128;
+  static constexpr int kQ = STAGES * kVals;
+  static constexpr int kScales = kQ + WGS * QBUF * N * 128;
+  static constexpr int kW = kScales + STAGES * kTile * 4;
+  static constexpr int kMeta = kW + WGS * QBUF * LaneWeights<N>::kFloats * 4;
+  static constexpr int kBars = kMeta + STAGES * 16;
+  static constexpr int kBytes = kBars + STAGES * 16;
+};
+
+// The TMA kernel's tile copy (see BulkTileCopy): values through the tensor map (box of
+// 64 rows, 32 for 32-token blocks), scales with a bulk copy.
+template <int BLOCK>
+struct TmaTileCopy {
+  const TensorMap* map;
+  const unsigned char* kv;
+  unsigned vals0, scales0;
+  KvPolicy policy;
+  __device__ __forceinline__ void operator()(int s, unsigned bar, int blk0, int blk1, int t, bool two) const {
+    constexpr long long kBlockBytes = (long long)BLOCK * (128 + 4);
+    const unsigned vdst = vals0 + s * (kTile * 128), sdst = scales0 + s * (kTile * 4);
+    const unsigned char* scales = kv + (long long)blk0 * kBlockBytes + BLOCK * 128;
+    if constexpr (BLOCK >= kTile) {
+      const int part = t % (BLOCK / kTile);
+      mbar_arrive_tx(bar, kTile * 132);
+      tma_load_rows(vdst, map, part * kTile, blk0, bar, policy);
+      bulk_copy(sdst, scales + part * kTile * 4, kTile * 4, bar, policy);
+    } else {
+      mbar_arrive_tx(bar, (two ? 2 : 1) * BLOCK * 132);
+      tma_load_rows(vdst, map, 0, blk0, bar, policy);
+      bulk_copy(sdst, scales, BLOCK * 4, bar, policy);
+      if (two) {
+        tma_load_rows(vdst + BLOCK * 128, map, 0, blk1, bar, policy);
+        bulk_copy(sdst + BLOCK * 4, kv + (long long)blk1 * kBlockBytes + BLOCK * 128, BLOCK * 4, bar, policy);
+      }
+    }
+  }
+};
+
+// Q[b] (N rows of 128 e4m3 bytes) into a SW128 buffer and its N weights, asynchronously.
+template <int N>
+__device__ __forceinline__ void issue_q(const unsigned char* __restrict__ q, const float* __restrict__ weights,
+                                        int b, unsigned qdst, unsigned wdst, int tid) {
+  const unsigned char* src = q + (long long)b * N * 128;
+#pragma unroll
+  for (int idx = tid; idx < N * 8; idx += 128) {
+    const int n = idx >> 3, c = idx & 7;
+    cp_async_16(qdst + n * 128 + ((c ^ (n & 7)) << 4), src + idx * 16);
+  }
+  // 4-byte copies: weights rows need only the alignment of a float.
+  for (int n = tid; n < N; n += 128) cp_async_4(wdst + 4 * LaneWeights<N>::slot(n), weights + (long long)b * N + n);
+}
+
+template <int NEXT_N, int HEADS, int DIM, int BLOCK, typename OutT, typename EpiT, typename AccT, int WGS, int STAGES,
+          int PRODUCERS, int QBUF, int PROBE>
+__global__ void __maxnreg__(reg_cap(WGS * 128 + 32 * PRODUCERS))
+paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS, 128] e4m3, contiguous
+                     const unsigned char* __restrict__ kv,      // [num_blocks, BLOCK * 132] fused pool
+                     const float* __restrict__ weights,         // [B * NEXT_N, HEADS], contiguous
+                     const int* __restrict__ block_tables, long long bt_stride,
+                     const int* __restrict__ seq_lens, long long sl_stride,
+                     const int* __restrict__ schedule,          // [gridDim.x + 1, 2] or nullptr
+                     OutT* __restrict__ out, long long out_stride, int batch,
+                     int kv_evict_first,                        // the KV stream's L2 policy (KvPolicy)
+                     const __grid_constant__ TensorMap kv_map) {  // the pool's fp8 values, see above
+  constexpr int N = NEXT_N * HEADS;
+  constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
+  constexpr int ACC_WORDS = F16ACC ? N / 4 : N / 2;
+  using L = TmaLayout<N, WGS, STAGES, QBUF>;
+  static_assert(QBUF == 1 || QBUF == 2, "one or two Q buffers per warpgroup");
+  static_assert(DIM == 128, "the TMA kernel is specialized for head_dim 128 (one 128-byte swizzle row)");
+  static_assert(N % 8 == 0 && N <= 256 && HEADS % 4 == 0, "unsupported geometry");
+  static_assert(BLOCK == 32 || BLOCK == 64 || BLOCK == 128, "block size");
+  static_assert(STAGES >= 1 && STAGES % WGS == 0 && STAGES % PRODUCERS == 0,
+                "ring stages must be a multiple of the consumer warpgroups and of the producer warps");
+
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ int red[32];
+  __shared__ int sched[3];
+  const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;  // SW128 tiles need 1024-byte alignment
+  unsigned char* smem = smem_raw + (base - smem_u32(smem_raw));
+  int4* meta = reinterpret_cast<int4*>(smem + L::kMeta);
+  const unsigned full0 = base + L::kBars, empty0 = full0 + 8 * STAGES;
+  if (threadIdx.x == WGS * 128)
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&kv_map)) : "memory");
+
+  ring_init(full0, empty0, STAGES);
+  fij::grid_dependency_wait();  // everything above touches parameters and shared memory only
+  fij::grid_dependents_launch();
+  cta_tiles<WGS * 128 + 32 * PRODUCERS>(schedule, seq_lens, sl_stride, batch, red, sched);
+  __syncthreads();  // sched is visible
+  const int len = sched[2];
+  if ((int)threadIdx.x >= WGS * 128) {
+    const TmaTileCopy<BLOCK> copy{&kv_map, kv, base, base + L::kScales, KvPolicy::make(kv_evict_first != 0)};
+    ring_produce(meta, full0, empty0, STAGES, BLOCK, sched, copy, block_tables, bt_stride, seq_lens, sl_stride, batch,
+                 (threadIdx.x - WGS * 128) >> 5, PRODUCERS);
+    return;
+  }
+
+  // ---- consumer warpgroups: tile i of the run goes to warpgroup i % WGS -----------------
+  // Broadcast from lane 0: ptxas then knows wg (and what derives from it: the tile loop,
+  // the stage index) is warp-uniform and keeps it in uniform registers.
+  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
+  const unsigned bar_id = 1 + wg;
+  constexpr int kWBytes = LaneWeights<N>::kFloats * 4;  // one weight buffer
+  const unsigned qaddr0 = base + L::kQ + wg * QBUF * (N * 128), waddr0 = base + L::kW + wg * QBUF * kWBytes;
+  constexpr bool WREG = N / 2 + N / 4 + 48 <= reg_cap(WGS * 128 + 32 * PRODUCERS);
+  WeightsReg<WREG ? N : 8> wreg;
+  // The current request and buffer; pf_b: the request whose Q is in (or on its way into)
+  // buffer cur ^ 1; early_b (two buffers, until the first switch): the request after the
+  // first, on its way into buffer cur, in the newest cp.async group.
+  int q_b = -1, pf_b = -1, early_b = -1, cur = QBUF - 1;
+
+  // Make request b current: its Q (prefetched, or loaded now) in the next buffer, then with
+  // two buffers prefetch the next request into the buffer just left.
+  auto switch_to = [&](int b) {
+    const int nxt = QBUF == 2 ? cur ^ 1 : 0;
+    if (b != pf_b) {
+      cp_async_wait_all();  // a stale prefetch may still be landing in that buffer
+      // One buffer: every warp must be done with the previous request's weights first.
+      if constexpr (QBUF == 1) asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
+      issue_q<N>(q, weights, b, qaddr0 + nxt * (N * 128), waddr0 + nxt * kWBytes, tid);
+      cp_async_wait_all();
+    } else if (early_b >= 0) {
+      cp_async_wait_all_but_last();  // the early prefetch may still be landing
+    } else {
+      cp_async_wait_all();
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes -> wgmma reads
+    asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
+    cur = nxt;
+    q_b = b;
+    const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) + (wg * QBUF + cur) * LaneWeights<N>::kFloats;
+    if constexpr (WREG) wreg.load_lane(wbuf + tig * LaneWeights<N>::kStride);
+    if constexpr (QBUF == 1) return;
+    if (early_b >= 0) {  // already on its way into what is now buffer cur ^ 1
+      pf_b = early_b;
+      early_b = -1;
+      return;
+    }
+    // Request b + 1, empty or not: checking its length would put a global load on this
+    // warpgroup's critical path. (After an empty request the next switch loads Q itself.)
+    pf_b = b + 1 < batch ? b + 1 : -1;
+    if (pf_b >= 0) issue_q<N>(q, weights, pf_b, qaddr0 + (cur ^ 1) * (N * 128), waddr0 + (cur ^ 1) * kWBytes, tid);
+  };
+
+  if (PROBE != 1 && wg < len) {  // the first tile's Q loads while its KV streams in
+    int b = sched[0], t = sched[1] + wg;
+    int seq = b < batch ? max(0, seq_lens[b * sl_stride]) : 0;
+    skip_empty(b, t, seq, seq_lens, sl_stride, batch);
+    if (b < batch) {
+      issue_q<N>(q, weights, b, qaddr0, waddr0, tid);
+      pf_b = b;
+      if (QBUF == 2 && b + 1 < batch) {  // the next request's Q into buffer cur (unused yet)
+        cp_async_commit();
+        issue_q<N>(q, weights, b + 1, qaddr0 + cur * (N * 128), waddr0 + cur * kWBytes, tid);
+        cp_async_commit();
+        early_b = b + 1;
+      }
+    }
+  }
+  // The MMA of the tile in stage s into acc (asynchronous: committed, not waited for).
+  auto issue_mma = [&](int s, unsigned (&acc)[ACC_WORDS]) {
+    // s and cur are warp-uniform but ptxas cannot tell: broadcasting the two addresses lets
+    // it build the descriptors in uniform registers (fewer instructions a tile than moving
+    // per-thread values to them for every wgmma).
+    const unsigned long long da = sw128_desc(__shfl_sync(0xffffffffu, base + s * L::kVals, 0));
+    const unsigned long long db = sw128_desc(__shfl_sync(0xffffffffu, qaddr0 + cur * (N * 128), 0));
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < DIM / 32; ++k) {  // acc is not cleared: k = 0 does not read it
+      if constexpr (PROBE == 3)
+        break;
+      else if constexpr (F16ACC)
+        WgmmaSS<N, true>::run(acc, da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
+      else
+        WgmmaSS<N, false>::run(reinterpret_cast<float*>(acc), da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  };
+  // Tile (stage s, descriptor m) once its MMA is done: release the stage, epilogue.
+  auto finish = [&](int s, int4 m, unsigned (&acc)[ACC_WORDS]) {
+    const float* scales = reinterpret_cast<const float*>(smem + L::kScales) + s * kTile;
+    const float sc0 = scales[warp * 16 + g], sc1 = scales[warp * 16 + g + 8];
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+    for (int w = 0; w < ACC_WORDS; ++w) asm volatile("" : "+r"(acc[w])::"memory");  // read after the wait
+    release_stage(empty0 + 8 * s);
+    if constexpr (PROBE == 2) {  // keep the accumulators alive without an epilogue
+      if (acc[0] == 0x7fc00001u && m.x < 0) out[0] = OutT{};
+    } else if constexpr (WREG) {
+      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, wreg, sc0, sc1, m.x, m.y, m.z, out, out_stride, warp, g, tig);
+    } else {
+      const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) +
+                          (wg * QBUF + cur) * LaneWeights<N>::kFloats + tig * LaneWeights<N>::kStride;
+      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, LaneWeights<N>{reinterpret_cast<const float4*>(wbuf)}, sc0, sc1, m.x, m.y, m.z, out, out_stride,
+                                                  warp, g, tig);
+    }
+  };
+  // Waits for tile i and returns its descriptor (m.x >= batch: padding, already released).
+  auto arrive = [&](int i) {
+    const int s = i % STAGES;
+    mbar_wait(full0 + 8 * s, (i / STAGES) & 1);
+    const int4 m = meta[s];
+    if (PROBE == 1 || m.x >= batch) release_stage(empty0 + 8 * s);  // the probe, or padding
+    return PROBE == 1 ? make_int4(batch, 0, 0, 0) : m;
+  };
+
+  for (int i = wg; i < len; i += WGS) {
+    const int4 m = arrive(i);
+    if (m.x >= batch) continue;
+    if (m.x != q_b) switch_to(m.x);
+    unsigned acc[ACC_WORDS];
+    issue_mma(i % STAGES, acc);
+    finish(i % STAGES, m, acc);
+  }
+  cp_async_wait_all();  // no cp.async may outlive the block
+}
+
+}  // namespace fij_mqa
