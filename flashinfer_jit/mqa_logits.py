@@ -50,7 +50,7 @@ from .mqa_logits_schedule import (
     compute_paged_mqa_logits_schedule,
 )
 from .mqa_logits_tma import (
-    TMA_DIM,
+    TMA_DIMS,
     TmaConfig,
     kv_tensor_map,
     small_work,
@@ -164,28 +164,29 @@ def _launchable(plan: tuple, what: str) -> tuple:
 
 
 def _tma_eligible(dim: int, device: int) -> bool:
-    """The TMA kernel serves sm_90 at head_dim 128 unless a ring/direct config is forced."""
+    """The TMA kernel serves sm_90 at its head dims unless a ring/direct config is forced."""
     if isinstance(_config_override, TmaConfig):
-        return True
-    return _config_override is None and dim == TMA_DIM and capability(device) == (9, 0)
+        return dim in TMA_DIMS
+    return _config_override is None and dim in TMA_DIMS and capability(device) == (9, 0)
 
 
 def _tma_plan(geometry, dtypes, device: int, small: int, kv_evict_first: int) -> tuple:
     _, next_n, heads, dim, block_size = geometry
     n = next_n * heads
-    config = _config_override if isinstance(_config_override, TmaConfig) else tma_config(n, small)
+    forced = isinstance(_config_override, TmaConfig)
+    config = _config_override if forced else tma_config(n, small, dim)
     if config.stages == 0:
         config = config._replace(
-            stages=tma_stages(n, config.warpgroups, config.producers, config.qbuf)
+            stages=tma_stages(n, dim, config.warpgroups, config.producers, config.qbuf)
         )
         if config.stages < config.warpgroups:
             raise KernelUnavailable(f"forced TMA config {_config_override}: no ring stage fits")
     kernel = tma_family.get((next_n, heads, dim, block_size, *dtypes, *config), device)
-    smem = tma_smem_bytes(n, config.warpgroups, config.stages, config.qbuf)
+    smem = tma_smem_bytes(n, dim, config.warpgroups, config.stages, config.qbuf)
     threads = tma_threads(config.warpgroups, config.producers)
 
     def kv_map(kv_ptr: int, kv_fused) -> tuple[bytes]:
-        return (kv_tensor_map(kv_ptr, kv_fused.shape[0], block_size),)
+        return (kv_tensor_map(kv_ptr, kv_fused.shape[0], block_size, dim),)
 
     grid = (sm_count(device), 1, 1)
     return kernel, grid, (threads, 1, 1), smem, (kv_evict_first,), kv_map, PDL
@@ -276,9 +277,9 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
         geometry = (int(next_n), int(heads), int(dim), int(block))
         dtypes = (dtype[out_dt], dtype[epi_dt], dtype[acc_dt])
         specs.add(_logits_family.spec(_params(*geometry, *dtypes)))
-        if geometry[2] == TMA_DIM:  # sm_90a's kernels (the spec names its arch)
+        if geometry[2] in TMA_DIMS:  # sm_90a's kernels (the spec names its arch)
             for small in range(3):  # the classes of mqa_logits_tma.small_work
-                config = tma_config(next_n * heads, small)
+                config = tma_config(next_n * heads, small, geometry[2])
                 specs.add(tma_family.spec((*geometry, *dtypes, *config)))
     return sorted(specs, key=str)
 
