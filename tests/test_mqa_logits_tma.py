@@ -21,6 +21,7 @@ from flashinfer_jit.mqa_logits.tma import (
     NARROW_CONFIG,
     RING_STAGES,
     SMALL_CONFIG,
+    TMA_DIMS,
     TmaConfig,
     small_work,
     tma_config,
@@ -44,12 +45,13 @@ from .test_mqa_logits_build import _sass
 SHIPPED_N = sorted({nn * h for nn in (1, 2, 3, 4) for h in (32, 64)})
 
 
+@pytest.mark.parametrize("dim", TMA_DIMS)
 @pytest.mark.parametrize("n", [8, *SHIPPED_N, 256])
-def test_configs_fit(n):
-    warpgroups, stages, producers, qbuf, probe = tma_config(n)
+def test_configs_fit(n, dim):
+    warpgroups, stages, producers, qbuf, probe = tma_config(n, 0, dim)
     assert probe == 0
     assert stages % warpgroups == 0 and stages % producers == 0 and stages >= 2 * warpgroups
-    assert tma_smem_bytes(n, warpgroups, stages, qbuf) + STATIC_SMEM <= SMEM_LIMIT
+    assert tma_smem_bytes(n, dim, warpgroups, stages, qbuf) + STATIC_SMEM <= SMEM_LIMIT
     assert tma_regs(n) <= reg_cap(128 * warpgroups + 32 * producers)
 
 
@@ -59,6 +61,16 @@ def test_configs_fit(n):
 def test_cubin_uses_tma_and_wgmma_without_spills(next_n, heads, block, tmp_path):
     f32 = torch.float32
     params = (next_n, heads, 128, block, f32, f32, f32, *tma_config(next_n * heads))
+    _check_tma_cubin(params, tmp_path)
+
+
+@pytest.mark.parametrize("dim,block", [(32, 64), (64, 64), (64, 32), (256, 128)])
+def test_other_head_dims_compile_to_tma_and_wgmma(dim, block, tmp_path):
+    f32 = torch.float32
+    _check_tma_cubin((2, 64, dim, block, f32, f32, f32, *tma_config(128, 0, dim)), tmp_path)
+
+
+def _check_tma_cubin(params, tmp_path):
     spec = tma_family.spec(params)
     sass, res = _sass(compile_cubin(render(spec, BUILDER.template_root), "sm_90a").cubin, tmp_path)
     assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills: {res}"
@@ -107,6 +119,8 @@ def plan_of(batch: int, geometry: tuple, max_seq_len: int, options=None):
     [
         ((9, 0), 128, None, "mqa_logits_tma"),
         ((10, 0), 128, None, "mqa_logits"),  # sm_100: the portable ring
+        ((9, 0), 64, None, "mqa_logits_tma"),  # SW64 panels
+        ((9, 0), 256, None, "mqa_logits_tma"),  # two SW128 panels
         ((9, 0), 96, None, "mqa_logits"),  # other head dims: the ring
         ((9, 0), 128, (3, 0, False, True), "mqa_logits"),  # a forced ring config
         ((9, 0), 128, TmaConfig(2, 0, 2, 1), "mqa_logits_tma"),
@@ -122,11 +136,13 @@ def test_dispatch_picks_the_tma_kernel_where_it_applies(
     plan = plan_of(256, (2, 64, dim, 64), 8192, options)
     assert got[-1][0] == family
     if family == "mqa_logits_tma":
-        config = tma_config(128) if override is None else override._replace(stages=got[-1][1][8])
+        config = (
+            tma_config(128, 0, dim) if override is None else override._replace(stages=got[-1][1][8])
+        )
         assert config.stages > 0
         assert got[-1][1] == (2, 64, dim, 64, f32, f32, f32, *config)
         assert plan.block == (tma_threads(config.warpgroups, config.producers), 1, 1)
-        assert plan.smem == tma_smem_bytes(128, config.warpgroups, config.stages, config.qbuf)
+        assert plan.smem == tma_smem_bytes(128, dim, config.warpgroups, config.stages, config.qbuf)
         assert plan.kv_args is not None  # the per-pool tensor map argument
         assert plan.programmatic is options.pdl  # a programmatic launch: the kernel waits itself
     else:
@@ -146,12 +162,21 @@ def test_small_calls_take_two_shallow_warpgroups():
     assert tma_config(128, 2) == SMALL_CONFIG
     for n in (192, 256):  # measured no better
         assert tma_config(n, 1) == tma_config(n, 2) == tma_config(n)
+    # Other head dims keep the bytes in flight: twice the stages at 64, half at 256; below
+    # 128 the other calls at n <= 64 take four warpgroups.
+    assert tma_config(64, 1, 64) == TmaConfig(2, 12, 2, 2)
+    assert tma_config(64, 0, 64) == TmaConfig(4, 16, 4, 2)
+    assert tma_config(64, 0, 32) == TmaConfig(4, 32, 4, 2)
+    assert tma_config(64, 0, 256) == TmaConfig(3, 6, 3, 2)
 
 
 @pytest.mark.parametrize("n", [8, *SHIPPED_N, 256])
 def test_rings_stay_shallow(n):
     """No config queues more than RING_STAGES tiles per SM (deeper rings streamed slower)."""
     assert all(tma_config(n, small).stages <= RING_STAGES for small in range(3))
+    for dim in TMA_DIMS:  # the same bytes in flight at other head dims
+        depth = max(RING_STAGES * 128 // dim, 8)
+        assert all(tma_config(n, small, dim).stages <= depth for small in range(3))
 
 
 @pytest.mark.parametrize("max_seq_len,warpgroups", [(8192, 2), (16384, 3)])
@@ -227,6 +252,28 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
     lens = EDGE_LENS + [next_n - 1, 1000, 64 * 7, 3 * block_size]
     run_and_check(
         lens, device="cuda", next_n=next_n, heads=heads, block_size=block_size, seed=17 + next_n,
+        options=tma_variant,
+    )  # fmt: skip
+    assert _served_by_tma()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "tma_variant", ["auto", "large", "tma_1x3", "tma_2x4p2q1", "tma_4x16p2"], indirect=True
+)
+@pytest.mark.parametrize(
+    "dim,next_n,heads,block_size",
+    [(64, 1, 64, 64), (64, 2, 32, 32), (32, 2, 64, 64), (32, 1, 32, 128), (256, 1, 64, 64),
+     (256, 2, 32, 32)],
+)  # fmt: skip
+def test_gpu_tma_other_head_dims(tma_variant, dim, next_n, heads, block_size):
+    """Column panels in the 32/64-byte swizzles, and two 128-byte panels at head_dim 256."""
+    four = tma_variant.config == TMA_VARIANTS["tma_4x16p2"]
+    if four and (next_n * heads > 64 or dim > 64):
+        pytest.skip("4 warpgroups x 16 stages fit next_n*heads <= 64 at head_dim <= 64 only")
+    lens = EDGE_LENS + [next_n - 1, 1000, 64 * 7, 3 * block_size]
+    run_and_check(
+        lens, device="cuda", next_n=next_n, heads=heads, dim=dim, block_size=block_size, seed=dim,
         options=tma_variant,
     )  # fmt: skip
     assert _served_by_tma()

@@ -16,8 +16,8 @@ for step in "$@"; do
   i=$((i + 1))
   echo "=== step $i: $step"
   start=$(date +%s)
-  bash -c "$step" > "${OUT:-/tmp}/step$i.log" 2>&1
+  bash -c "$step" > "${OUT:-/tmp}/${OUT_PREFIX:-}step$i.log" 2>&1
   rc=$?
   echo "=== step $i rc=$rc $(( $(date +%s) - start ))s"
-  tail -n 40 "${OUT:-/tmp}/step$i.log"
+  tail -n 40 "${OUT:-/tmp}/${OUT_PREFIX:-}step$i.log"
 done

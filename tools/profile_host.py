@@ -128,7 +128,7 @@ def install_stub() -> None:
         "current_stream": lambda device: 0,
         "sm_count": lambda device: 132,
         "capability": lambda device: (9, 0),
-        "kv_tensor_map": lambda ptr, num_blocks, block_size: bytes(128),  # MQA's TMA map
+        "kv_tensor_map": lambda ptr, blocks, block_size, dim, promotion=128: bytes(128),  # TMA
         "wave_clusters": lambda device: qk.H200_WAVE_CLUSTERS.__getitem__,  # QSA's one-wave split
     }
     for name, module in list(sys.modules.items()):

@@ -1,5 +1,5 @@
-"""Which logits kernel serves a call and how it launches: the TMA kernel (sm_90, head_dim
-128; its config for small calls when ``tma.small_work`` says so), else the ring/direct
+"""Which logits kernel serves a call and how it launches: the TMA kernel (sm_90 at its
+head dims; its config for small calls when ``tma.small_work`` says so), else the ring/direct
 specialization, else the generic kernel. Small calls stream their KV with an L2
 evict-first policy (the kernels' kv_evict_first argument, see KvPolicy in
 templates/mqa_logits/ring.cuh)."""
@@ -23,7 +23,7 @@ from .launch import KernelPlan, Launch
 from .ring import RingConfig, ring_family, ring_params
 from .schedule import SCHEDULE_THREADS, schedule_family
 from .tma import (
-    TMA_DIM,
+    TMA_DIMS,
     TmaConfig,
     kv_tensor_map,
     small_work,
@@ -46,12 +46,14 @@ class MqaLogitsOptions(Options):
     always the generic kernel. ``pdl``: the TMA kernel goes out as a programmatic dependent
     launch (its launch and prologue overlap the previous kernel's tail; it waits for that
     kernel's results before reading anything). ``tma_family``: another build of the TMA
-    kernel with its parameters (an instrumented one, tools/trace_mqa_logits.py)."""
+    kernel with its parameters (an instrumented one, tools/trace_mqa_logits.py).
+    ``l2_promotion``: the KV tensor map's L2 fill size in bytes (tma.kv_tensor_map)."""
 
     config: RingConfig | TmaConfig | None = None
     force_generic: bool = False
     pdl: bool = True
     tma_family: KernelFamily | None = None
+    l2_promotion: int = 128
 
 
 def _launchable(plan: KernelPlan, what: str) -> KernelPlan:
@@ -69,20 +71,21 @@ def _tma_plan(geometry, dtypes, device: int, small: int, evict: int, options) ->
     next_n, heads, dim, block_size = geometry
     n = next_n * heads
     forced = options.config
-    config = forced if isinstance(forced, TmaConfig) else tma_config(n, small)
+    config = forced if isinstance(forced, TmaConfig) else tma_config(n, small, dim)
     if config.stages == 0:
         config = config._replace(
-            stages=tma_stages(n, config.warpgroups, config.producers, config.qbuf)
+            stages=tma_stages(n, dim, config.warpgroups, config.producers, config.qbuf)
         )
         if config.stages < config.warpgroups:
             raise KernelUnavailable(f"forced TMA config {forced}: no ring stage fits")
     family = tma_family if options.tma_family is None else options.tma_family
     kernel = family.get((*geometry, *dtypes, *config), device)
-    smem = tma_smem_bytes(n, config.warpgroups, config.stages, config.qbuf)
+    promotion = options.l2_promotion
+    smem = tma_smem_bytes(n, dim, config.warpgroups, config.stages, config.qbuf)
     threads = tma_threads(config.warpgroups, config.producers)
 
     def kv_map(kv_ptr: int, kv_fused: torch.Tensor) -> tuple[bytes]:
-        return (kv_tensor_map(kv_ptr, kv_fused.shape[0], block_size),)
+        return (kv_tensor_map(kv_ptr, kv_fused.shape[0], block_size, dim, promotion),)
 
     grid = (sm_count(device), 1, 1)
     return KernelPlan(kernel, grid, (threads, 1, 1), smem, (evict,), kv_map, options.pdl)
@@ -93,7 +96,8 @@ def _specialized_plan(geometry, dtypes, device: int, small: int, evict: int, opt
     next_n, heads, dim, _ = geometry
     forced = options.config
     tma = isinstance(forced, TmaConfig)
-    if tma or (forced is None and dim == TMA_DIM and capability(device) == (9, 0)):
+    # The TMA kernel serves sm_90 at its head dims unless a ring/direct config is forced.
+    if dim in TMA_DIMS and (tma or (forced is None and capability(device) == (9, 0))):
         try:
             return _launchable(_tma_plan(geometry, dtypes, device, small, evict, options), "TMA")
         except KernelUnavailable as exc:
@@ -158,8 +162,8 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
         geometry = (int(next_n), int(heads), int(dim), int(block))
         dtypes = (dtype[out_dt], dtype[epi_dt], dtype[acc_dt])
         specs.add(ring_family.spec(ring_params(geometry, dtypes)))
-        if geometry[2] == TMA_DIM:  # sm_90a's kernels (the spec names its arch)
+        if geometry[2] in TMA_DIMS:  # sm_90a's kernels (the spec names its arch)
             for small in range(3):  # the classes of tma.small_work
-                config = tma_config(next_n * heads, small)
+                config = tma_config(next_n * heads, small, geometry[2])
                 specs.add(tma_family.spec((*geometry, *dtypes, *config)))
     return sorted(specs, key=str)

@@ -1,9 +1,10 @@
 """The sm_90a TMA form of the paged MQA logits kernel (templates/mqa_logits/sm90_tma_wgmma.cuh): its
 family, launch configuration and the tensor map over the fused KV pool.
 
-The tensor map views the pool's fp8 values as ``[num_blocks][block_size][128]`` bytes
-(block stride ``block_size * 132``) with the 128-byte swizzle wgmma reads. It depends on
-the pool's address and size only, so it is encoded once per pool and cached: a serving
+The tensor map views the pool's fp8 values as ``[num_blocks][block_size][head_dim]``
+bytes (block stride ``block_size * (head_dim + 4)``), read in column panels of at most 128
+bytes with the swizzle of the panel's width that wgmma reads (``Panels`` in the template).
+It depends on the pool's address, size and geometry only, so it is encoded once per pool and cached: a serving
 engine's pool never moves, and the hot path is one dict lookup.
 """
 
@@ -18,9 +19,8 @@ from .._jit import kernel_family
 from .checks import SMEM_LIMIT, STATIC_SMEM, TILE, reg_cap
 from .ring import LOGITS_ARGS
 
-TMA_DIM = 128  # head_dim the kernel is specialized for (one 128-byte swizzle row per token)
+TMA_DIMS = (32, 64, 128, 256)  # head dims the kernel serves (Panels in the template)
 TMA_MAX_STAGES = 24
-_VALUES = TILE * TMA_DIM  # fp8 bytes of one 64-token tile
 
 tma_family = kernel_family(
     "mqa_logits_tma",
@@ -69,21 +69,26 @@ def lane_weight_bytes(n: int) -> int:
     return 4 * 4 * (-(-n // 16) * 4 + 4)
 
 
-def tma_smem_bytes(n: int, warpgroups: int, stages: int, qbuf: int) -> int:
+def _stage_bytes(dim: int) -> int:
+    """One ring stage: the tile's values and scales, its descriptor and two mbarriers."""
+    return TILE * (dim + 4) + 32
+
+
+def tma_smem_bytes(n: int, dim: int, warpgroups: int, stages: int, qbuf: int) -> int:
     """Dynamic shared memory (TmaLayout in the template, + 1024 bytes of alignment slack):
     per stage the tile's values, scales, descriptor and two mbarriers; per warpgroup
     ``qbuf`` Q buffers and weight buffers."""
-    per_buffer = n * TMA_DIM + lane_weight_bytes(n)
-    return stages * (_VALUES + TILE * 4 + 32) + warpgroups * qbuf * per_buffer + 1024
+    per_buffer = n * dim + lane_weight_bytes(n)
+    return stages * _stage_bytes(dim) + warpgroups * qbuf * per_buffer + 1024
 
 
 def tma_stages(
-    n: int, warpgroups: int, producers: int, qbuf: int, cap: int = TMA_MAX_STAGES
+    n: int, dim: int, warpgroups: int, producers: int, qbuf: int, cap: int = TMA_MAX_STAGES
 ) -> int:
     """The most stages, at most ``cap`` (a multiple of the warpgroups and of the producer
     warps), that fit beside the Q buffers."""
-    free = SMEM_LIMIT - STATIC_SMEM - tma_smem_bytes(n, warpgroups, 0, qbuf)
-    stages = max(0, min(cap, free // (_VALUES + TILE * 4 + 32)))
+    free = SMEM_LIMIT - STATIC_SMEM - tma_smem_bytes(n, dim, warpgroups, 0, qbuf)
+    stages = max(0, min(cap, free // _stage_bytes(dim)))
     unit = math.lcm(warpgroups, producers)
     return stages // unit * unit
 
@@ -108,21 +113,37 @@ def small_work(batch: int, max_seq_len: int, num_sms: int) -> int:
 RING_STAGES = 10  # at most, in any config tma_config picks
 SMALL_CONFIG = TmaConfig(2, 6, 2, 2)  # small calls at n <= 64, and the smallest at n = 128
 NARROW_CONFIG = TmaConfig(3, 9, 3, 2)  # the other calls at n <= 64
+SHORT_ROW_CONFIG = TmaConfig(4, 8, 4, 2)  # the other calls at n <= 64, head_dim < 128
 
 
-def tma_config(n: int, small: int = 0) -> TmaConfig:
-    """The configuration for next_n*num_heads = n (``small``: the class of small_work).
+def _deeper(config: TmaConfig, n: int, dim: int) -> TmaConfig:
+    """``config`` (a depth measured at head_dim 128) with as many stages as keep the same
+    bytes in flight at head_dim ``dim``, within what fits."""
+    unit = math.lcm(config.warpgroups, config.producers)
+    least = -(-2 * config.warpgroups // unit) * unit  # two stages a warpgroup
+    want = max(least, config.stages * 128 // dim // unit * unit)
+    fit = tma_stages(n, dim, config.warpgroups, config.producers, config.qbuf, want)
+    return config._replace(stages=fit)
+
+
+def tma_config(n: int, small: int = 0, dim: int = 128) -> TmaConfig:
+    """The configuration for next_n*num_heads = n (``small``: the class of small_work) at
+    head_dim ``dim``.
 
     Ring depth, measured on the H200 (per call in a graph of 8, BENCHMARKS.md, MQA round 9):
     a ring deeper than about 10 stages queues more reads than HBM's latency needs, and
     the calls were slower, most (8-9 %) at 47-62 tiles per SM. At n=64 with 4 warpgroups x 16
     stages against 3 x 9: B=256 L=8192 66.3 against 64.8 us, B=64 21.6 against 19.8, B=32
     L=16384 22.0 against 20.1; at B=32 L=8192, 2 x 22 against 2 x 6: 12.0 against 11.4.
+    Other head dims keep the bytes in flight of these depths (stages x 128 / dim).
 
     - Small calls at n <= 64, and the smallest at n = 128: SMALL_CONFIG, two warpgroups
       with 3 stages each (half the Q loads of more warpgroups).
     - Other calls at n <= 64: NARROW_CONFIG, three warpgroups with 9 stages (four with 8
-      read ~1 % slower).
+      read ~1 % slower). Below head_dim 128 a tile carries fewer bytes for the same
+      epilogue, and four warpgroups were faster (SHORT_ROW_CONFIG, BENCHMARKS.md, MQA round
+      10): B=256 L=8192 head_dim 32 4 x 32 stages 37.2 us against 3 x 36 40.0, head_dim 64
+      4 x 16 42.4 against 3 x 18 44.1.
     - Larger n: the most warpgroups (at most 4) whose accumulators fit the block's register
       cap, since the consumers are latency-bound; one producer warp per warpgroup (warp p
       feeds warpgroup p, so one slow warpgroup does not hold up the others' stages); two Q
@@ -131,27 +152,43 @@ def tma_config(n: int, small: int = 0) -> TmaConfig:
       RING_STAGES stages. n=128: 4 warpgroups x 8 stages; n=192: 3 x 9.
     """
     if (small and n <= 64) or (small >= 2 and n == 128):
-        return SMALL_CONFIG
+        return _deeper(SMALL_CONFIG, n, dim)
     if n <= 64:
-        return NARROW_CONFIG
+        return _deeper(NARROW_CONFIG if dim >= 128 else SHORT_ROW_CONFIG, n, dim)
     for warpgroups in (4, 3, 2, 1):
         producers = warpgroups
         if tma_regs(n) > reg_cap(tma_threads(warpgroups, producers)):
             continue
         for qbuf in (2, 1):
-            stages = tma_stages(n, warpgroups, producers, qbuf, RING_STAGES)
+            cap = max(2 * warpgroups, RING_STAGES * 128 // dim)
+            stages = tma_stages(n, dim, warpgroups, producers, qbuf, cap)
             if stages >= 2 * warpgroups:
                 return TmaConfig(warpgroups, stages, producers, qbuf)
-    raise KernelUnavailable(f"next_n*num_heads={n} does not fit the TMA kernel")
+    raise KernelUnavailable(f"next_n*num_heads={n} at head_dim {dim} does not fit the TMA kernel")
 
 
-_maps: dict[tuple[int, int, int], bytes] = {}
+_maps: dict[tuple[int, ...], bytes] = {}
 _MAPS_MAX = 64
 
 
-def kv_tensor_map(kv_ptr: int, num_blocks: int, block_size: int) -> bytes:
-    """The 128-byte CUtensorMap of a fused pool (cached per address and size)."""
-    key = (kv_ptr, num_blocks, block_size)
+def _swizzle(width: int):
+    from cuda.bindings import driver as cu
+
+    modes = cu.CUtensorMapSwizzle
+    return {
+        128: modes.CU_TENSOR_MAP_SWIZZLE_128B,
+        64: modes.CU_TENSOR_MAP_SWIZZLE_64B,
+        32: modes.CU_TENSOR_MAP_SWIZZLE_32B,
+    }[width]
+
+
+def kv_tensor_map(
+    kv_ptr: int, num_blocks: int, block_size: int, dim: int, promotion: int = 128
+) -> bytes:
+    """The 128-byte CUtensorMap of a fused pool (cached per address and geometry): boxes of
+    one column panel (min(dim, 128) bytes) x the tile's rows, in that panel's swizzle.
+    ``promotion``: the L2 fill size in bytes (128 or 256; the benchmark compares them)."""
+    key = (kv_ptr, num_blocks, block_size, dim, promotion)
     found = _maps.get(key)
     if found is not None:
         return found
@@ -159,20 +196,23 @@ def kv_tensor_map(kv_ptr: int, num_blocks: int, block_size: int) -> bytes:
 
     if num_blocks < 1:
         raise KernelUnavailable("kv_fused has no blocks: no tensor map to encode")
+    width = min(dim, 128)
     u64, u32 = cu.cuuint64_t, cu.cuuint32_t
     err, tmap = cu.cuTensorMapEncodeTiled(
         cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
         3,
         kv_ptr,
-        [u64(TMA_DIM), u64(block_size), u64(num_blocks)],
-        [u64(TMA_DIM), u64(block_size * (TMA_DIM + 4))],
-        [u32(TMA_DIM), u32(min(block_size, TILE)), u32(1)],
+        [u64(dim), u64(block_size), u64(num_blocks)],
+        [u64(dim), u64(block_size * (dim + 4))],
+        [u32(width), u32(min(block_size, TILE)), u32(1)],
         [u32(1), u32(1), u32(1)],
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        _swizzle(width),
         # 128, not 256: the tiles are whole 128-byte rows, and 256-byte promotion slowed
         # the streaming by 5-8 % on the H200 (BENCHMARKS.md, MQA round 7).
-        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+        if promotion == 128
+        else cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     )
     if int(err) != 0:

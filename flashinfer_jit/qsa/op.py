@@ -37,7 +37,7 @@ class Qsa(Op[DecodeLaunch, QsaOptions]):
         TensorArg("output_gate"),
         ScalarArg("softmax_scale", "float"),
         ScalarArg("output_scale", "float"),
-        ScalarArg("dispatch", "bool", typed=False)  # set by the entry points,
+        ScalarArg("dispatch", "bool", typed=False),  # set by the entry points,
     )
     options_type = QsaOptions
 

@@ -1,14 +1,17 @@
-// The Hopper form of the paged MQA logits kernel (sm_90a, head_dim 128): both wgmma
+// The Hopper form of the paged MQA logits kernel (sm_90a; head_dim 32, 64, 128, 256, ...,
+// see Panels): both wgmma
 // operands come straight from shared memory, so a consumer warpgroup spends its issue
 // slots on the epilogue, not on moving K into registers.
 //
 //   * K: producer warps (one per consumer warpgroup, each feeding its tiles) stream each
 //     64-token tile into a ring stage with the tensor memory accelerator
 //     (cp.async.bulk.tensor through a host-built tensor map over the fused pool viewed as
-//     [num_blocks][block_size][128] bytes, 128-byte swizzle), which lays the rows out as
-//     wgmma's K-major SW128 operand; the tile's fp32 scales follow with a plain bulk copy.
+//     [num_blocks][block_size][head_dim] bytes, one box per column panel in the panel's
+//     swizzle), which lays the rows out as wgmma's K-major swizzled operand (SW128 at
+//     head_dim >= 128, SW64 / SW32 at 64 / 32); the tile's fp32 scales follow with a
+//     plain bulk copy.
 //     Same ring, barriers and tile order as mqa_logits/ring.cuh.
-//   * Q: each consumer warpgroup keeps QBUF SW128 Q buffers (+ weights). With two, it
+//   * Q: each consumer warpgroup keeps QBUF swizzled Q buffers (+ weights). With two, it
 //     loads its first request's Q and the next request's at the start, and whenever it
 //     moves on to a request prefetches the one after it (cp.async) into the buffer just
 //     left, so a request change costs a barrier, not a global-memory round trip. (At the
@@ -34,20 +37,20 @@ struct alignas(64) TensorMap {
   unsigned long long words[16];
 };
 
-__device__ __forceinline__ void tma_load_rows(unsigned dst, const TensorMap* map, int row, int block, unsigned bar,
-                                              KvPolicy kp) {
+__device__ __forceinline__ void tma_load_rows(unsigned dst, const TensorMap* map, int col, int row, int block,
+                                              unsigned bar, KvPolicy kp) {
   const unsigned long long m = reinterpret_cast<unsigned long long>(map);
   if (kp.evict_first)
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, "
         "{%2, %3, %4}], [%5], %6;" ::"r"(dst),
-        "l"(m), "r"(0), "r"(row), "r"(block), "r"(bar), "l"(kp.policy)
+        "l"(m), "r"(col), "r"(row), "r"(block), "r"(bar), "l"(kp.policy)
         : "memory");
   else
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
         "[%5];" ::"r"(dst),
-        "l"(m), "r"(0), "r"(row), "r"(block), "r"(bar)
+        "l"(m), "r"(col), "r"(row), "r"(block), "r"(bar)
         : "memory");
 }
 __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src) {
@@ -64,66 +67,92 @@ __device__ __forceinline__ void cp_async_wait_all_but_last() {  // every group b
   asm volatile("cp.async.wait_group 1;" ::: "memory");
 }
 
-// wgmma descriptor of a K-major e4m3 operand in the 128-byte swizzle: 128-byte rows, 8-row
-// groups 1024 bytes apart (SBO), the tile 1024-byte aligned. +2 per 32-byte k step.
-__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr) {
-  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
-         (1ull << 62);
-}
+// A token row of DIM bytes is stored as DIM / PANEL column panels of PANEL = min(DIM, 128)
+// bytes (the widest swizzle is 128 bytes): panel p of a tile holds bytes [p PANEL, (p + 1)
+// PANEL) of its rows, PANEL-byte rows in the PANEL-byte swizzle (the TMA's and wgmma's
+// SW128 / SW64 / SW32). Head dims 32, 64, 128, 256, ... (96 would need mixed panels).
+template <int DIM>
+struct Panels {
+  static_assert(DIM == 32 || DIM == 64 || DIM % 128 == 0, "head_dim must be 32, 64 or a multiple of 128");
+  static constexpr int kWidth = DIM < 128 ? DIM : 128;  // bytes of a panel row
+  static constexpr int kCount = DIM / kWidth;
+  // The 16-byte chunk c of panel row n lands at chunk c ^ (bits 7.. of the row's offset):
+  // the swizzle pattern of width kWidth within its 8-row atom (8 * kWidth bytes).
+  static __device__ __forceinline__ int offset(int n, int c) {
+    return n * kWidth + ((c ^ ((n * kWidth >> 7) & (kWidth / 16 - 1))) << 4);
+  }
+  // wgmma descriptor of a K-major e4m3 panel: kWidth-byte rows, 8-row groups 8 * kWidth
+  // bytes apart (SBO), the swizzle mode (1: 128, 2: 64, 3: 32 bytes); +2 per 32-byte k step.
+  static __device__ __forceinline__ unsigned long long desc(unsigned addr) {
+    constexpr unsigned long long mode = kWidth == 128 ? 1 : kWidth == 64 ? 2 : 3;
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) |
+           ((unsigned long long)(8 * kWidth >> 4) << 32) | (mode << 62);
+  }
+};
 
 // Shared memory (bytes from a 1024-aligned base): value stages, QBUF Q buffers per consumer
 // warpgroup, scales, QBUF weight buffers per warpgroup, tile descriptors, mbarriers. The
 // host adds 1024 bytes of slack for the alignment. Mirrored by tma_smem_bytes in
 // flashinfer_jit/mqa_logits_tma.py.
-template <int N, int WGS, int STAGES, int QBUF>
+template <int N, int DIM, int WGS, int STAGES, int QBUF>
 struct TmaLayout {
-  static constexpr int kVals = kTile * 128;
+  static constexpr int kVals = kTile * DIM;
   static constexpr int kQ = STAGES * kVals;
-  static constexpr int kScales = kQ + WGS * QBUF * N * 128;
+  static constexpr int kScales = kQ + WGS * QBUF * N * DIM;
   static constexpr int kW = kScales + STAGES * kTile * 4;
   static constexpr int kMeta = kW + WGS * QBUF * LaneWeights<N>::kFloats * 4;
   static constexpr int kBars = kMeta + STAGES * 16;
   static constexpr int kBytes = kBars + STAGES * 16;
 };
 
-// The TMA kernel's tile copy (see BulkTileCopy): values through the tensor map (box of
-// 64 rows, 32 for 32-token blocks), scales with a bulk copy.
-template <int BLOCK>
+// The TMA kernel's tile copy (see BulkTileCopy): values through the tensor map, one box
+// of 64 rows (32 for 32-token blocks) per column panel, scales with a bulk copy.
+template <int DIM, int BLOCK>
 struct TmaTileCopy {
+  using P = Panels<DIM>;
   const TensorMap* map;
   const unsigned char* kv;
   unsigned vals0, scales0;
   KvPolicy policy;
+  // The rows [row, row + rows) of KV block blk into rows [at, at + rows) of each panel.
+  __device__ __forceinline__ void rows(unsigned vdst, int at, int row, int blk, unsigned bar) const {
+#pragma unroll
+    for (int p = 0; p < P::kCount; ++p)
+      tma_load_rows(vdst + p * (kTile * P::kWidth) + at * P::kWidth, map, p * P::kWidth, row, blk, bar, policy);
+  }
   __device__ __forceinline__ void operator()(int s, unsigned bar, int blk0, int blk1, int t, bool two) const {
-    constexpr long long kBlockBytes = (long long)BLOCK * (128 + 4);
-    const unsigned vdst = vals0 + s * (kTile * 128), sdst = scales0 + s * (kTile * 4);
-    const unsigned char* scales = kv + (long long)blk0 * kBlockBytes + BLOCK * 128;
+    constexpr long long kBlockBytes = (long long)BLOCK * (DIM + 4);
+    const unsigned vdst = vals0 + s * (kTile * DIM), sdst = scales0 + s * (kTile * 4);
+    const unsigned char* scales = kv + (long long)blk0 * kBlockBytes + BLOCK * DIM;
     if constexpr (BLOCK >= kTile) {
       const int part = t % (BLOCK / kTile);
-      mbar_arrive_tx(bar, kTile * 132);
-      tma_load_rows(vdst, map, part * kTile, blk0, bar, policy);
+      mbar_arrive_tx(bar, kTile * (DIM + 4));
+      rows(vdst, 0, part * kTile, blk0, bar);
       bulk_copy(sdst, scales + part * kTile * 4, kTile * 4, bar, policy);
     } else {
-      mbar_arrive_tx(bar, (two ? 2 : 1) * BLOCK * 132);
-      tma_load_rows(vdst, map, 0, blk0, bar, policy);
+      mbar_arrive_tx(bar, (two ? 2 : 1) * BLOCK * (DIM + 4));
+      rows(vdst, 0, 0, blk0, bar);
       bulk_copy(sdst, scales, BLOCK * 4, bar, policy);
       if (two) {
-        tma_load_rows(vdst + BLOCK * 128, map, 0, blk1, bar, policy);
-        bulk_copy(sdst + BLOCK * 4, kv + (long long)blk1 * kBlockBytes + BLOCK * 128, BLOCK * 4, bar, policy);
+        rows(vdst, BLOCK, 0, blk1, bar);
+        bulk_copy(sdst + BLOCK * 4, kv + (long long)blk1 * kBlockBytes + BLOCK * DIM, BLOCK * 4, bar, policy);
       }
     }
   }
 };
 
-// Q[b] (N rows of 128 e4m3 bytes) into a SW128 buffer and its N weights, asynchronously.
-template <int N>
+// Q[b] (N rows of DIM e4m3 bytes) into a Q buffer laid out as a tile is (Panels<DIM>, N
+// rows a panel) and its N weights, asynchronously.
+template <int N, int DIM>
 __device__ __forceinline__ void issue_q(const unsigned char* __restrict__ q, const float* __restrict__ weights,
                                         int b, unsigned qdst, unsigned wdst, int tid) {
-  const unsigned char* src = q + (long long)b * N * 128;
+  using P = Panels<DIM>;
+  constexpr int kChunks = P::kWidth / 16;  // 16-byte chunks of a panel row
+  const unsigned char* src = q + (long long)b * N * DIM;
 #pragma unroll
-  for (int idx = tid; idx < N * 8; idx += 128) {
-    const int n = idx >> 3, c = idx & 7;
-    cp_async_16(qdst + n * 128 + ((c ^ (n & 7)) << 4), src + idx * 16);
+  for (int idx = tid; idx < N * DIM / 16; idx += 128) {
+    const int n = idx / (DIM / 16), c = idx % (DIM / 16);
+    cp_async_16(qdst + (c / kChunks) * (N * P::kWidth) + P::offset(n, c % kChunks), src + idx * 16);
   }
   // 4-byte copies: weights rows need only the alignment of a float.
   for (int n = tid; n < N; n += 128) cp_async_4(wdst + 4 * LaneWeights<N>::slot(n), weights + (long long)b * N + n);
@@ -132,8 +161,8 @@ __device__ __forceinline__ void issue_q(const unsigned char* __restrict__ q, con
 template <int NEXT_N, int HEADS, int DIM, int BLOCK, typename OutT, typename EpiT, typename AccT, int WGS, int STAGES,
           int PRODUCERS, int QBUF, int PROBE>
 __global__ void __maxnreg__(reg_cap(WGS * 128 + 32 * PRODUCERS))
-paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS, 128] e4m3, contiguous
-                     const unsigned char* __restrict__ kv,      // [num_blocks, BLOCK * 132] fused pool
+paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS, DIM] e4m3, contiguous
+                     const unsigned char* __restrict__ kv,      // [num_blocks, BLOCK * (DIM + 4)] fused pool
                      const float* __restrict__ weights,         // [B * NEXT_N, HEADS], contiguous
                      const int* __restrict__ block_tables, long long bt_stride,
                      const int* __restrict__ seq_lens, long long sl_stride,
@@ -144,9 +173,9 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   constexpr int N = NEXT_N * HEADS;
   constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
   constexpr int ACC_WORDS = F16ACC ? N / 4 : N / 2;
-  using L = TmaLayout<N, WGS, STAGES, QBUF>;
+  using L = TmaLayout<N, DIM, WGS, STAGES, QBUF>;
+  using P = Panels<DIM>;
   static_assert(QBUF == 1 || QBUF == 2, "one or two Q buffers per warpgroup");
-  static_assert(DIM == 128, "the TMA kernel is specialized for head_dim 128 (one 128-byte swizzle row)");
   static_assert(N % 8 == 0 && N <= 256 && HEADS % 4 == 0, "unsupported geometry");
   static_assert(BLOCK == 32 || BLOCK == 64 || BLOCK == 128, "block size");
   static_assert(STAGES >= 1 && STAGES % WGS == 0 && STAGES % PRODUCERS == 0,
@@ -155,7 +184,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   extern __shared__ unsigned char smem_raw[];
   __shared__ int red[32];
   __shared__ int sched[3];
-  const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;  // SW128 tiles need 1024-byte alignment
+  const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;  // swizzle atoms: up to 1024-byte alignment
   unsigned char* smem = smem_raw + (base - smem_u32(smem_raw));
   int4* meta = reinterpret_cast<int4*>(smem + L::kMeta);
   const unsigned full0 = base + L::kBars, empty0 = full0 + 8 * STAGES;
@@ -169,7 +198,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   __syncthreads();  // sched is visible
   const int len = sched[2];
   if ((int)threadIdx.x >= WGS * 128) {
-    const TmaTileCopy<BLOCK> copy{&kv_map, kv, base, base + L::kScales, KvPolicy::make(kv_evict_first != 0)};
+    const TmaTileCopy<DIM, BLOCK> copy{&kv_map, kv, base, base + L::kScales, KvPolicy::make(kv_evict_first != 0)};
     ring_produce(meta, full0, empty0, STAGES, BLOCK, sched, copy, block_tables, bt_stride, seq_lens, sl_stride, batch,
                  (threadIdx.x - WGS * 128) >> 5, PRODUCERS);
     return;
@@ -182,7 +211,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
   const unsigned bar_id = 1 + wg;
   constexpr int kWBytes = LaneWeights<N>::kFloats * 4;  // one weight buffer
-  const unsigned qaddr0 = base + L::kQ + wg * QBUF * (N * 128), waddr0 = base + L::kW + wg * QBUF * kWBytes;
+  const unsigned qaddr0 = base + L::kQ + wg * QBUF * (N * DIM), waddr0 = base + L::kW + wg * QBUF * kWBytes;
   constexpr bool WREG = N / 2 + N / 4 + 48 <= reg_cap(WGS * 128 + 32 * PRODUCERS);
   WeightsReg<WREG ? N : 8> wreg;
   // The current request and buffer; pf_b: the request whose Q is in (or on its way into)
@@ -198,7 +227,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
       cp_async_wait_all();  // a stale prefetch may still be landing in that buffer
       // One buffer: every warp must be done with the previous request's weights first.
       if constexpr (QBUF == 1) asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
-      issue_q<N>(q, weights, b, qaddr0 + nxt * (N * 128), waddr0 + nxt * kWBytes, tid);
+      issue_q<N, DIM>(q, weights, b, qaddr0 + nxt * (N * DIM), waddr0 + nxt * kWBytes, tid);
       cp_async_wait_all();
     } else if (early_b >= 0) {
       cp_async_wait_all_but_last();  // the early prefetch may still be landing
@@ -220,7 +249,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     // Request b + 1, empty or not: checking its length would put a global load on this
     // warpgroup's critical path. (After an empty request the next switch loads Q itself.)
     pf_b = b + 1 < batch ? b + 1 : -1;
-    if (pf_b >= 0) issue_q<N>(q, weights, pf_b, qaddr0 + (cur ^ 1) * (N * 128), waddr0 + (cur ^ 1) * kWBytes, tid);
+    if (pf_b >= 0) issue_q<N, DIM>(q, weights, pf_b, qaddr0 + (cur ^ 1) * (N * DIM), waddr0 + (cur ^ 1) * kWBytes, tid);
   };
 
   if (PROBE != 1 && wg < len) {  // the first tile's Q loads while its KV streams in
@@ -228,11 +257,11 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     int seq = b < batch ? max(0, seq_lens[b * sl_stride]) : 0;
     skip_empty(b, t, seq, seq_lens, sl_stride, batch);
     if (b < batch) {
-      issue_q<N>(q, weights, b, qaddr0, waddr0, tid);
+      issue_q<N, DIM>(q, weights, b, qaddr0, waddr0, tid);
       pf_b = b;
       if (QBUF == 2 && b + 1 < batch) {  // the next request's Q into buffer cur (unused yet)
         cp_async_commit();
-        issue_q<N>(q, weights, b + 1, qaddr0 + cur * (N * 128), waddr0 + cur * kWBytes, tid);
+        issue_q<N, DIM>(q, weights, b + 1, qaddr0 + cur * (N * DIM), waddr0 + cur * kWBytes, tid);
         cp_async_commit();
         early_b = b + 1;
       }
@@ -243,17 +272,21 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     // s and cur are warp-uniform but ptxas cannot tell: broadcasting the two addresses lets
     // it build the descriptors in uniform registers (fewer instructions a tile than moving
     // per-thread values to them for every wgmma).
-    const unsigned long long da = sw128_desc(__shfl_sync(0xffffffffu, base + s * L::kVals, 0));
-    const unsigned long long db = sw128_desc(__shfl_sync(0xffffffffu, qaddr0 + cur * (N * 128), 0));
+    const unsigned long long da = P::desc(__shfl_sync(0xffffffffu, base + s * L::kVals, 0));
+    const unsigned long long db = P::desc(__shfl_sync(0xffffffffu, qaddr0 + cur * (N * DIM), 0));
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int k = 0; k < DIM / 32; ++k) {  // acc is not cleared: k = 0 does not read it
+      // k step k: panel k*32 / kWidth (kTile resp. N rows of kWidth bytes), 32 bytes in.
+      constexpr int kSteps = P::kWidth / 32;
+      const unsigned long long ka = da + (unsigned long long)((k / kSteps) * (kTile * P::kWidth) >> 4) + 2 * (k % kSteps);
+      const unsigned long long kb = db + (unsigned long long)((k / kSteps) * (N * P::kWidth) >> 4) + 2 * (k % kSteps);
       if constexpr (PROBE == 3)
         break;
       else if constexpr (F16ACC)
-        WgmmaSS<N, true>::run(acc, da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
+        WgmmaSS<N, true>::run(acc, ka, kb, k > 0 ? 1 : 0);
       else
-        WgmmaSS<N, false>::run(reinterpret_cast<float*>(acc), da + 2 * k, db + 2 * k, k > 0 ? 1 : 0);
+        WgmmaSS<N, false>::run(reinterpret_cast<float*>(acc), ka, kb, k > 0 ? 1 : 0);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
   };

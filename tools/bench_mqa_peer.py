@@ -1,0 +1,311 @@
+"""fp8_paged_mqa_logits against DeepGEMM's sm90 kernel, timed the same way in one process.
+
+    python tools/bench_mqa_peer.py [--deepgemm DIR] [--rows a,b] [--sweep] [--reps N]
+
+Per row: independent input sets (own KV pool, tables, lengths, q, weights) until the
+working set passes 240 MB (4x the H200's L2), at most 8, since a serving step reads a
+different layer's cache in every call. Both sides are checked against a float64 reference
+on a few requests, then timed by one helper: the calls of all sets captured back to back
+in one CUDA graph, median replay / calls; rows with B <= 32 also eager (one call between
+two events, cycling the sets). DeepGEMM (imported from --deepgemm when given, else from
+the path; its column is skipped when it cannot be imported) gets
+`fp8_fp4_paged_mqa_logits((q, None), kv, w, context_lens_2d, block_table, schedule,
+max_len, False, float32)` with the schedule computed once per set outside the timing, as a
+serving step reuses it across layers; ours `fp8_paged_mqa_logits` with schedule_meta=None.
+The 2-D context lens give row t of a request its position limit len - next_n + t, the
+same rows the 1-D lens give ours. Byte floor: the pool bytes the visible tokens occupy
+(values, scales) plus the logits written, over 4.24 TB/s. --sweep also times forced TMA
+configs (SWEEPS). The table prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_util import warm_gpu  # noqa: E402
+
+import flashinfer_jit.mqa_logits as mq  # noqa: E402
+from flashinfer_jit.mqa_logits import MqaLogitsOptions  # noqa: E402
+from flashinfer_jit.mqa_logits import plan as mq_plan  # noqa: E402
+from flashinfer_jit.mqa_logits.tma import TmaConfig  # noqa: E402
+
+BW = 4.24e12  # measured device-to-device copy bandwidth, bytes/s
+SET_BYTES = 240e6  # 4x the 60 MiB L2
+
+
+class Row(NamedTuple):
+    name: str
+    batch: int
+    next_n: int
+    heads: int
+    length: int
+    dim: int = 128
+    block: int = 64
+    long: int = 0  # one request of this length among the others (a skewed batch)
+
+
+ROWS = [
+    Row("b1", 1, 1, 64, 8192),
+    Row("b32", 32, 1, 64, 8192),
+    Row("b256", 256, 1, 64, 8192),
+    Row("b256n2", 256, 2, 64, 8192),
+    Row("b64L64k", 64, 1, 64, 65536),
+    Row("b64L64kn2", 64, 2, 64, 65536),
+    Row("b256h32", 256, 1, 32, 8192),
+    Row("b256h32n2", 256, 2, 32, 8192),
+    Row("b128n4h32", 128, 4, 32, 16384),
+    Row("b128n3", 128, 3, 64, 16384),
+    Row("d64", 256, 1, 64, 8192, dim=64),
+    Row("d64n2", 256, 2, 64, 8192, dim=64),
+    Row("d32", 256, 1, 64, 8192, dim=32),
+    Row("d256", 128, 1, 64, 8192, dim=256),
+    Row("skew32", 32, 1, 64, 4096, long=65536),
+    Row("skew128n2", 128, 2, 64, 8192, long=131072),
+    Row("b1024", 1024, 1, 64, 2048),
+    Row("blk32", 256, 1, 64, 8192, block=32),
+    Row("blk128", 256, 1, 64, 8192, block=128),
+]
+# --sweep: forced TMA configs (warpgroups, stages, producer warps, Q buffers) per row;
+# "l2_256": the dispatcher's config with the KV tensor map's L2 promotion at 256 bytes.
+SWEEPS = {
+    "b64L64kn2": ["l2_256"],
+    "d64": ["l2_256", TmaConfig(3, 18, 3, 2)],
+    "d32": ["l2_256", TmaConfig(3, 36, 3, 2)],
+    "b256": ["l2_256"],
+}
+
+
+def deepgemm_supports(row: Row) -> bool:
+    """What DeepGEMM's sm90 paged kernel takes: H 32/64, next_n 1/2, block 64, D 32-128."""
+    return row.heads in (32, 64) and row.next_n in (1, 2) and row.block == 64 and row.dim <= 128
+
+
+def make_set(row: Row, gen: torch.Generator) -> dict:
+    b, length = row.batch, row.length
+    lens = torch.randint(int(0.7 * length), length + 1, (b,), generator=gen, dtype=torch.int32)
+    if row.long:
+        lens[int(torch.randint(0, b, (1,), generator=gen))] = row.long
+    max_len = int(lens.max())
+    need = (lens + row.block - 1) // row.block
+    num_blocks = int(need.sum())
+    width = mq.min_block_table_width(max_len, row.block)
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    table = torch.zeros(b, width, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(need.tolist()):
+        table[i, :n] = perm[start : start + n]
+        start += n
+    d, blk = row.dim, row.block
+    kv = torch.empty(num_blocks, blk * (d + 4), dtype=torch.uint8, device="cuda")
+    kv[:, : blk * d] = (
+        torch.randn(num_blocks, blk * d, device="cuda").to(torch.float8_e4m3fn).view(torch.uint8)
+    )
+    kv[:, blk * d :] = (torch.rand(num_blocks, blk, device="cuda") + 0.5).view(torch.uint8)
+    q = torch.randn(b, row.next_n, row.heads, d, device="cuda").to(torch.float8_e4m3fn)
+    lens = lens.cuda()
+    offs = torch.arange(row.next_n, device="cuda", dtype=torch.int32) - row.next_n + 1
+    return {
+        "q": q,
+        "kv": kv.view(num_blocks, blk, 1, d + 4),
+        "w": torch.randn(b * row.next_n, row.heads, device="cuda"),
+        "table": table.cuda(),
+        "lens": lens,
+        "lens2d": (lens[:, None] + offs).clamp_min(0).contiguous(),
+        "max_len": max_len,
+    }
+
+
+def check(logits: torch.Tensor, s: dict, row: Row, requests: int = 3) -> None:
+    """float64 reference on a few requests, gathered independently of the op's code."""
+    pool = s["kv"].view(s["kv"].shape[0], -1)
+    d, blk = row.dim, row.block
+    for b in torch.linspace(0, row.batch - 1, min(row.batch, requests)).long().tolist():
+        n = int(s["lens"][b])
+        pos = torch.arange(n, device="cuda")
+        blocks = s["table"][b, pos // blk].long()[:, None]
+        off = (pos % blk)[:, None]
+        k = pool[blocks, off * d + torch.arange(d, device="cuda")].view(torch.float8_e4m3fn)
+        sc = pool[blocks, blk * d + off * 4 + torch.arange(4, device="cuda")]
+        sc = sc.contiguous().view(torch.float32)[:, 0].double()
+        for t in range(row.next_n):
+            valid = n - row.next_n + t + 1
+            qt, wt = s["q"][b, t].double(), s["w"][b * row.next_n + t].double()
+            kk = k[:valid].double()
+            ref = ((qt @ kk.T).clamp_min(0) * wt[:, None]).sum(0) * sc[:valid]
+            mag = ((qt.abs() @ kk.abs().T) * wt.abs()[:, None]).sum(0) * sc[:valid]
+            err = (logits[b * row.next_n + t, :valid].double() - ref).abs()
+            if not bool((err <= 2e-3 * mag + 1e-6).all()):
+                raise AssertionError(f"request {b} slot {t}: max error {float(err.max())}")
+
+
+def per_call_in_graph(calls: list[Callable[[], object]], reps: int) -> float:
+    """All calls captured back to back in one graph: median replay / calls (us)."""
+    keep = [c() for c in calls]  # compile, load; outputs live as long as the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        keep += [c() for c in calls]
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del keep
+    return statistics.median(times)
+
+
+def eager(sides: dict[str, list[Callable[[], object]]], reps: int) -> dict[str, float]:
+    """One call between two events, cycling the sets (host and launch included); the
+    sides alternate call by call, so clock changes hit both alike."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for i in range(reps):
+        for name, calls in sides.items():
+            torch.cuda.synchronize()
+            start.record()
+            calls[i % len(calls)]()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3)
+    return {f"{name}_eager": statistics.median(t) for name, t in times.items()}
+
+
+def ncu_calls(rows: list[Row], dg) -> None:
+    """Two calls of each side per row on one input set, nothing timed: for Nsight Compute
+    (--kernel-name regex:'paged_mqa_logits_tma|sm90_fp8_paged_mqa_logits')."""
+    gen = torch.Generator().manual_seed(0)
+    for row in rows:
+        s = make_set(row, gen)
+        sides = [ours(s)] + ([theirs(dg, s)] if dg is not None and deepgemm_supports(row) else [])
+        for call in sides:
+            call()
+            call()
+        torch.cuda.synchronize()
+
+
+def ours(
+    s: dict, config: TmaConfig | None = None, promotion: int = 128
+) -> Callable[[], torch.Tensor]:
+    """Our call on set s; ``config`` forces a TMA config, ``promotion`` the KV tensor map's
+    L2 fill size (MqaLogitsOptions: each variant has its own plans and replays)."""
+    out = torch.empty(
+        s["q"].shape[0] * s["q"].shape[1], mq.padded_seq_len(s["max_len"]), device="cuda"
+    )
+    run = mq.OP.runner(MqaLogitsOptions(config=config, l2_promotion=promotion)).run
+    f32 = torch.float32
+    args = (s["q"], s["kv"], s["w"], s["table"], s["lens"], s["max_len"], f32, f32, f32, None, out)
+    return lambda: run(args)
+
+
+def theirs(dg, s: dict) -> Callable[[], torch.Tensor]:
+    sched = dg.get_paged_mqa_logits_metadata(s["lens2d"], s["kv"].shape[1], dg.get_num_sms())
+    args = ((s["q"], None), s["kv"], s["w"], s["lens2d"], s["table"], sched, s["max_len"])
+    return lambda: dg.fp8_fp4_paged_mqa_logits(*args, False, torch.float32)
+
+
+def run_row(row: Row, dg, reps: int, sweep: bool, gen: torch.Generator) -> dict:
+    per_set = row.batch * (0.85 * row.length + row.long) * (row.dim + 4)
+    sets = [make_set(row, gen) for _ in range(int(min(8, max(2, -(-SET_BYTES // per_set)))))]
+    tokens = statistics.mean(float(s["lens"].sum()) for s in sets)
+    res = {"floor": tokens * (row.dim + 4 + 4 * row.next_n) / BW * 1e6, "sets": len(sets)}
+    sides = {"ours": lambda s: ours(s)}
+    if dg is not None and deepgemm_supports(row):
+        sides["deepgemm"] = lambda s: theirs(dg, s)
+    for config in SWEEPS.get(row.name, []) if sweep else []:
+        if config == "l2_256":
+            sides[config] = lambda s: ours(s, promotion=256)
+            continue
+        name = f"tma{config.warpgroups}x{config.stages}p{config.producers}q{config.qbuf}"
+        sides[name] = lambda s, c=config: ours(s, c)
+    res["served"] = ""
+    eager_calls = {}
+    for name, make in sides.items():
+        try:
+            calls = [make(s) for s in sets]
+            if name == "ours":
+                mq_plan._plans.clear()
+            check(calls[0](), sets[0], row)
+            if name == "ours":
+                res["served"] = " ".join(p.kernel.name[-60:] for p in mq_plan._plans.values())
+            res[name] = per_call_in_graph(calls, reps)
+            if row.batch <= 32 and name in ("ours", "deepgemm"):
+                eager_calls[name] = calls
+        except Exception as exc:  # report and keep going
+            print(f"  {row.name} {name} failed: {exc!r}", flush=True)
+            traceback.print_exc(limit=3)
+    res.update(eager(eager_calls, reps))
+    return res
+
+
+def fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--deepgemm", help="folder holding DeepGEMM's built deep_gemm package")
+    parser.add_argument("--rows", help="comma-separated row names (default: all)")
+    parser.add_argument("--sweep", action="store_true", help="also time SWEEPS' forced configs")
+    parser.add_argument("--reps", type=int, default=60)
+    parser.add_argument("--ncu", action="store_true", help="two untimed calls a side (ncu)")
+    args = parser.parse_args()
+    if args.deepgemm:
+        sys.path.insert(0, args.deepgemm)
+    try:
+        import deep_gemm as dg
+    except Exception as exc:  # the peer's column is skipped
+        print(f"DeepGEMM not importable ({exc!r}): its column is skipped")
+        dg = None
+    rows = [r for r in ROWS if not args.rows or r.name in args.rows.split(",")]
+    if args.ncu:
+        ncu_calls(rows, dg)
+        return
+    warm_gpu()
+    gen = torch.Generator().manual_seed(0)
+    table = []
+    for row in rows:
+        res = run_row(row, dg, args.reps, args.sweep, gen)
+        table.append((row, res))
+        print(
+            row.name,
+            {k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()},
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    print("\nper call in a CUDA graph (us); eager for B <= 32; inputs cycled past 4x L2")
+    print(
+        "| row | B | next_n | H | D | block | L | floor | DeepGEMM | ours | ours/DG | % floor | eager DG | eager ours | others |"
+    )
+    print("|" + " --- |" * 15)
+    for row, r in table:
+        o, d = r.get("ours"), r.get("deepgemm")
+        ratio = f"{o / d:.2f}" if o and d else "-"
+        pct = f"{100 * r['floor'] / o:.0f}%" if o else "-"
+        skip = ("ours", "deepgemm", "floor", "sets", "served", "ours_eager", "deepgemm_eager")
+        extra = ", ".join(f"{k} {v:.1f}" for k, v in r.items() if k not in skip)
+        length = f"{row.length}" + (f"+1x{row.long}" if row.long else "")
+        print(
+            f"| {row.name} | {row.batch} | {row.next_n} | {row.heads} | {row.dim} | {row.block} | {length} "
+            f"| {fmt(r['floor'])} | {fmt(d)} | {fmt(o)} | {ratio} | {pct} | {fmt(r.get('deepgemm_eager'))} "
+            f"| {fmt(r.get('ours_eager'))} | {extra} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
