@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from jit_kernels import KernelBuilder, KernelFamily
+from jit_kernels import KernelBuilder, KernelFamily, Param
 
 from ._version import __version__
 
@@ -22,6 +22,8 @@ def _template_root() -> Path:
 TEMPLATE_ROOT = _template_root()
 WORKLOAD_ROOT = Path(__file__).parent / "workloads"
 BUILDER = KernelBuilder(TEMPLATE_ROOT, __version__)
+# Every family the package declares, by name (the signature test compiles each).
+FAMILIES: dict[str, KernelFamily] = {}
 
 
 def kernel_family(
@@ -29,11 +31,14 @@ def kernel_family(
     template: str,
     kernel: str,
     param_names: Sequence[str],
-    signature: Sequence[str],
+    signature: Sequence[Param],
     compiler: str = "nvrtc",
     archs: Sequence[str] = (),
 ) -> KernelFamily:
-    return KernelFamily(BUILDER, family, template, kernel, param_names, signature, compiler, archs)
+    made = KernelFamily(BUILDER, family, template, kernel, param_names, signature, compiler, archs)
+    if FAMILIES.setdefault(family, made) is not made:
+        raise ValueError(f"kernel family {family!r} is declared twice")
+    return made
 
 
 def cuda_device_index(tensor: torch.Tensor) -> int:

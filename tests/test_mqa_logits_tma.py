@@ -5,7 +5,9 @@ prefetch across many requests)."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,8 +50,7 @@ SHIPPED_N = sorted({nn * h for nn in (1, 2, 3, 4) for h in (32, 64)})
 @pytest.mark.parametrize("dim", TMA_DIMS)
 @pytest.mark.parametrize("n", [8, *SHIPPED_N, 256])
 def test_configs_fit(n, dim):
-    warpgroups, stages, producers, qbuf, probe = tma_config(n, 0, dim)
-    assert probe == 0
+    warpgroups, stages, producers, qbuf = tma_config(n, 0, dim)
     assert stages % warpgroups == 0 and stages % producers == 0 and stages >= 2 * warpgroups
     assert tma_smem_bytes(n, dim, warpgroups, stages, qbuf) + STATIC_SMEM <= SMEM_LIMIT
     assert tma_regs(n) <= reg_cap(128 * warpgroups + 32 * producers)
@@ -310,7 +311,7 @@ def test_gpu_tma_probe_streams_without_writing(monkeypatch):
     """The benchmark's streaming probe runs to completion and writes nothing."""
     if not _sm90():
         pytest.skip("the TMA kernel runs on sm_90 only")
-    probe = MqaLogitsOptions(config=TmaConfig(2, 0, 2, 2, probe=1))
+    probe = _tool("mqa_logits_probe").probe_options(TmaConfig(2, 0, 2, 2), 1)
     q, kv, w, table, seq, max_len = make_inputs([900, 5, 0, 4000], device="cuda")
     out = torch.full((4, mq.padded_seq_len(max_len)), float("nan"), device="cuda")
     logits_with(probe)(q, kv, w, table, seq, max_len, out=out)
@@ -318,15 +319,36 @@ def test_gpu_tma_probe_streams_without_writing(monkeypatch):
     assert torch.isnan(out).all()
 
 
-def test_trace_tool_instruments_the_shipped_kernel(tmp_path):
-    """tools/trace_mqa_logits.py patches anchors of the TMA template: they must still be
-    there (each exactly once) and the traced kernel must compile."""
-    path = Path(__file__).resolve().parents[1] / "tools" / "trace_mqa_logits.py"
-    spec = importlib.util.spec_from_file_location("trace_mqa_logits", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    family = tool.traced_family(tmp_path / "templates")
+def _tool(name: str):
+    """A module of tools/ (on sys.path there, as the tools run)."""
+    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("probe", [0, 1, 2, 3])
+def test_trace_and_probe_tools_instrument_the_shipped_kernel(tmp_path, probe):
+    """tools/trace_mqa_logits.py and tools/mqa_logits_probe.py patch anchors of the TMA
+    template: they must still be there (each exactly once) and the patched kernel must
+    compile, probe 0 to the shipped kernel's SASS plus the trace's stores."""
+    family = _tool("trace_mqa_logits").traced_family(tmp_path / "templates")
     f32 = torch.float32
-    kernel = family.spec((1, 64, 128, 64, f32, f32, f32, *tma_config(64)))
+    kernel = family.spec((1, 64, 128, 64, f32, f32, f32, *tma_config(64), probe))
     cubin = compile_cubin(render(kernel, family.builder.template_root), "sm_90a").cubin
     assert b"fij_trace" in cubin
+
+
+def test_probe_zero_is_the_shipped_kernel(tmp_path):
+    """Probe 0 compiles to the shipped kernel's SASS (the probe patches change nothing else)."""
+    probe = _tool("mqa_logits_probe")
+    family = probe.patched_family(tmp_path / "templates", "probe_test", [])
+    f32 = torch.float32
+    params = (1, 64, 128, 64, f32, f32, f32, *tma_config(64))
+    shipped = compile_cubin(render(tma_family.spec(params), BUILDER.template_root), "sm_90a")
+    patched = compile_cubin(
+        render(family.spec((*params, 0)), family.builder.template_root), "sm_90a"
+    )
+    sass = [_sass(k.cubin, tmp_path)[0] for k in (shipped, patched)]
+    body = [s[s.index(".headerflags") :] for s in sass]  # past the mangled name
+    assert body[0] == body[1]

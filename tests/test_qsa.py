@@ -4,6 +4,8 @@ Every result is compared against ``reference`` below: float64, one row at a time
 from the issue's rules and independent of flashinfer_jit.qsa_ref.
 """
 
+# size: the float64 reference and its hazard cases, shared by the GPU files, with the CPU rules
+
 from __future__ import annotations
 
 import json
@@ -23,6 +25,7 @@ from flashinfer_jit.qsa import (
     use_fp8_decode_kernel,
     warmup_qsa_fp8_decode,
 )
+from flashinfer_jit.qsa import warmup as qsa_warmup
 from flashinfer_jit.qsa.checks import HEAD_DIMS
 
 TOL = 5e-3
@@ -329,13 +332,13 @@ def test_split_count_and_specs():
     assert qk.split_count(qk.DECODE_MIN_PROGRAMS, 1, 2048) == 1
     assert not use_fp8_decode_kernel(qk.DECODE_MIN_PROGRAMS - 1, torch.uint8)
     assert qk.fused_fits(2048, 2) and not qk.fused_fits(4096, 2) and not qk.fused_fits(0, 2)
-    specs = qk.all_specs(16, 128, 64, 1)
+    specs = qsa_warmup.all_specs(16, 128, 64, 1)
     assert {s.family for s in specs} == {"qsa_slots", "qsa_decode", "qsa_decode_cluster"}
     clusters = {s.label for s in specs if s.family == "qsa_decode_cluster"}
     # fused or not; bulk, cp.async or cp.async two chunks a step; and the one-wave splits
     # (fused, two chunks a step, 2..8 CTAs at two configs; 3 of them already counted)
     assert len(clusters) == 2 * 3 * len(qk.CLUSTER_SIZES) + 2 * 7 - 3
-    assert len(qk.all_specs(16, 64, 64, 1)) == 2 + 1 + 2 * len(qk.CLUSTER_SIZES)  # no bulk
+    assert len(qsa_warmup.all_specs(16, 64, 64, 1)) == 2 + 1 + 2 * len(qk.CLUSTER_SIZES)  # no bulk
 
 
 # -- CPU: the kernels compile for every shipped arch, without spills ------------------------------
@@ -358,8 +361,8 @@ CLUSTER_EXTRA = [(5, 64, 3, 512), (16, 256, 2, 0), (1, 128, 7, 1024)]
 
 
 def _checked_specs() -> list:
-    specs = [s for d in HEAD_DIMS for s in qk.all_specs(16, d, 64, 1)]
-    specs += qk.all_specs(5, 128, 48, 1)
+    specs = [s for d in HEAD_DIMS for s in qsa_warmup.all_specs(16, d, 64, 1)]
+    specs += qsa_warmup.all_specs(5, 128, 48, 1)
     specs += [qk.slots_family.spec((64, order, e)) for order in (True, False) for e in (2, 4, 8)]
     specs += [
         qk.cluster_family.spec((16, 128, 4, 3, 4, c, cap, True, False))

@@ -18,6 +18,7 @@ import torch
 from flashinfer_jit import qsa
 from flashinfer_jit.qsa import kernels as qk
 from flashinfer_jit.qsa import plan as qsa_plan
+from flashinfer_jit.qsa import warmup as qsa_warmup
 from flashinfer_jit.qsa.op import with_options
 from flashinfer_jit.qsa.plan import Variant, decode_launch
 from flashinfer_jit.qsa.reference import qsa_decode_torch
@@ -134,7 +135,7 @@ def test_warmup_plans_are_what_the_dispatcher_launches(monkeypatch, hq, hkv, d, 
     shipped = qsa.OP.default.options
     entries, forms = shipped.slot_entries, (shipped.tmma, shipped.lean)
     clusters = H200
-    plans = qk.dispatch_plans(
+    plans = qsa_warmup.dispatch_plans(
         hq // hkv, d, 64, hkv, topk, combined and d == 128, SMS, entries, clusters, *forms
     )
     for rows in range(1, -(-qk.DECODE_MIN_PROGRAMS // hkv) + 1):
@@ -142,7 +143,7 @@ def test_warmup_plans_are_what_the_dispatcher_launches(monkeypatch, hq, hkv, d, 
         splits, config, pair = qk.launch_split(rows, hkv, topk, d, SMS, clusters)
         decode_launch(tuple(args.values()), shipped, Variant(splits, None, config, None, pair))
     assert seen == set(plans)
-    prebuilt = {s.label for s in qk.all_specs(hq // hkv, d, 64, entries, *forms)}
+    prebuilt = {s.label for s in qsa_warmup.all_specs(hq // hkv, d, 64, entries, *forms)}
     assert {f.spec(p).label for f, p in plans} <= prebuilt
 
 
@@ -171,9 +172,9 @@ def test_loop_forms_pick_their_kernel():
         qk.decode_form_family, (8, 128, *config, True, True, False))  # fmt: skip
     assert qk.decode_plan(16, 128, 0, False, True, config, tmma=True)[0] is qk.decode_family
     assert qk.decode_plan(16, 128, 0, False, True, config, lean=True)[1][-2:] == (False, True)
-    plans = qk.dispatch_plans(8, 128, 64, 4, 1024, True, SMS, 1, H200, True, True)
+    plans = qsa_warmup.dispatch_plans(8, 128, 64, 4, 1024, True, SMS, 1, H200, True, True)
     assert qk.decode_plan(8, 128, 0, False, True, config, True, True) in plans
-    labels = {s.label for s in qk.all_specs(8, 128, 64, 1, True, False)}
+    labels = {s.label for s in qsa_warmup.all_specs(8, 128, 64, 1, True, False)}
     assert qk.decode_form_family.spec((8, 128, *config, True, True, False)).label in labels
 
 

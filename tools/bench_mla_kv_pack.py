@@ -186,6 +186,7 @@ def variants(tokens: int, heads: int) -> dict[str, tuple]:
     return out
 
 
+# size: one point: inputs, reference, every variant checked and timed, in order
 def run_point(tokens: int, heads: int) -> dict:
     nbytes = point_bytes(tokens, heads)
     count = max(1, min(32, -(-2 * L2_BYTES // nbytes)))

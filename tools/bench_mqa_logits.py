@@ -14,6 +14,8 @@ kernel's timing probes per call in a graph; --power shows the SM clock, power an
 clock-event reasons while the kernel and its probes run back to back.
 """
 
+# size: one benchmark CLI (rows, variants, sweeps, probes, power): its modes share the set-up and timers
+
 from __future__ import annotations
 
 import argparse
@@ -37,6 +39,7 @@ from flashinfer_jit.mqa_logits.tma import TmaConfig, small_work, tma_config  # n
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_util import warm_gpu  # noqa: E402
+from mqa_logits_probe import probe_options  # noqa: E402
 
 from jit_kernels import KernelUnavailable, sm_count  # noqa: E402
 
@@ -54,29 +57,28 @@ ROWS = [  # B, next_n, H, L, DeepGEMM us, target us (eager), target us (graph re
     (128, 4, 32, 16384, None, 85, None),
 ]
 # Variants: None = the dispatcher's choice (on sm_90 the TMA kernel); a TmaConfig = the TMA
-# kernel forced (stages 0 = as many as fit; probe 1 = stream the tiles only, 2 = stream +
-# MMA, 3 = stream + epilogue, no valid output: what each part costs); ("auto", {field:
-# value}) = the dispatcher's TMA config with those fields replaced (a probe, say);
+# kernel forced (stages 0 = as many as fit); ("probe", n, config) = the TMA kernel's timing
+# probe n in config (None: the dispatcher's; 1 = stream the tiles only, 2 = stream + MMA,
+# 3 = stream + epilogue, no valid output: what each part costs, tools/mqa_logits_probe.py);
+# ("auto", {field: value}) = the dispatcher's TMA config with those fields replaced;
 # "no-pdl" = the dispatcher's choice launched without PDL; (warpgroups, stages, portable,
 # ring) the ring/direct kernels of mqa_logits/sm90_ring_wgmma.cuh; "generic" the runtime-geometry fallback.
 VARIANTS = [
     None,
     TmaConfig(2, 0, 2, 2),
     TmaConfig(4, 0, 4, 1),
-    TmaConfig(2, 0, 2, 2, probe=1),
+    ("probe", 1, TmaConfig(2, 0, 2, 2)),
     (2, 0, False, True),
     (3, 0, False, True),
     (4, 2, False, False),  # the register-fed direct kernel (auto above head_dim ~448)
     "generic",
 ]
-LEAN_VARIANTS = [None, ("auto", {"probe": 1}), (3, 0, False, True), "generic"]
+LEAN_VARIANTS = [None, ("probe", 1, None), (3, 0, False, True), "generic"]
 # --sweep: TMA configs, PDL and the auto config's probes, graph-timed.
 SWEEP_VARIANTS = [
     None,
     "no-pdl",
-    ("auto", {"probe": 1}),
-    ("auto", {"probe": 2}),
-    ("auto", {"probe": 3}),
+    *(("probe", n, None) for n in (1, 2, 3)),
     *(TmaConfig(w, 0, w, qb) for w, qb in ((2, 1), (3, 1), (4, 1), (4, 2))),
 ]
 BLOCK_ROWS = {(256, 1, 64, 8192), (128, 3, 64, 16384)}  # rows compared at blocks 32/128
@@ -87,9 +89,10 @@ def vname(v) -> str:
         return v or "auto"
     if v[0] == "auto":
         return "auto-" + ",".join(f"{k}{x}" for k, x in v[1].items())
+    if v[0] == "probe":
+        return f"probe{v[1]}-" + ("auto" if v[2] is None else vname(v[2]).removeprefix("tma"))
     if isinstance(v, TmaConfig):
-        kind = f"probe{v.probe}-" if v.probe else "tma"
-        return f"{kind}{v.warpgroups}x{v.stages or 'max'}p{v.producers}q{v.qbuf}"
+        return f"tma{v.warpgroups}x{v.stages or 'max'}p{v.producers}q{v.qbuf}"
     kind = "ring" if v[3] else "direct"
     return f"{kind}{'-mma' if v[2] else ''}{v[0]}x{v[1] or 'max'}"
 
@@ -246,6 +249,8 @@ def auto_config(batch: int, next_n: int, heads: int, length: int) -> TmaConfig:
 
 def variant_options(v, shape: tuple[int, int, int, int]) -> MqaLogitsOptions:
     """The options of variant v (see VARIANTS) for a row's shape (batch, next_n, heads, length)."""
+    if isinstance(v, tuple) and v[0] == "probe":
+        return probe_options(v[2], v[1])
     config = None
     if isinstance(v, tuple) and v[0] == "auto":  # the dispatcher's TMA config, modified
         config = auto_config(*shape)._replace(**v[1])
@@ -283,7 +288,7 @@ def run_row(batch, next_n, heads, length, block, reps, variants, gen, timer=None
         set_variant(v, (batch, next_n, heads, length))
         try:
             forced = _variant.options.config
-            tma = isinstance(forced, TmaConfig)
+            tma = isinstance(forced, TmaConfig) or _variant.options.tma_family is not None
             if isinstance(v, tuple) and not tma:  # a forced ring/direct config that cannot fit
                 ring_params((next_n, heads, D, block), (F32, F32, F32), forced)
             q, kv, w, table, lens = sets[0]
@@ -293,7 +298,7 @@ def run_row(batch, next_n, heads, length, block, reps, variants, gen, timer=None
             served = next(iter(mq_plan._plans.values())).kernel.name
             if tma and "mqa_logits_tma" not in served:
                 raise KernelUnavailable(f"the TMA kernel did not serve ({served})")
-            if not (tma and forced.probe):  # probes: no logits
+            if _variant.options.tma_family is None:  # probes: no logits
                 check(got, q, kv, w, table, lens)
             if not results:  # the first variant after the sets are made reads up to ~5 %
                 (timer or time_eager)(sets, length, reps)  # slow (clock ramp): time it twice
@@ -313,7 +318,7 @@ def run_row(batch, next_n, heads, length, block, reps, variants, gen, timer=None
 # The streaming probe's knobs: (warpgroups, stages, producer warps).
 PROBES = [
     None,
-    *(TmaConfig(2, s, p, 2, probe=1) for s in (8, 16, 0) for p in (1, 2)),
+    *(("probe", 1, TmaConfig(2, s, p, 2)) for s in (8, 16, 0) for p in (1, 2)),
 ]
 
 
@@ -419,7 +424,7 @@ def power(_reps: int) -> None:
     kernel and its probes run back to back (one variant at a time)."""
     warm_gpu()
     gen = torch.Generator().manual_seed(0)
-    variants = [None, *(("auto", {"probe": p}) for p in (1, 2, 3))]
+    variants = [None, *(("probe", n, None) for n in (1, 2, 3))]
     print(f"idle: {_smi()}  ({SMI_QUERY})")
     print("| B | next_n | H | L | variant | us per call | clock, power, temp, reasons (x2) |")
     for batch, next_n, heads, length in POWER_ROWS:
@@ -436,6 +441,7 @@ def power(_reps: int) -> None:
         torch.cuda.empty_cache()
 
 
+# size: the CLI's modes and table layout, read top to bottom
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=200)

@@ -18,6 +18,8 @@ the run goes on). Times are CUDA-graph replays per call, whole call. The issue t
 prints last.
 """
 
+# size: one benchmark CLI (sweep, --lean, --wave, --ncu-one): its modes share the inputs and timers
+
 from __future__ import annotations
 
 import argparse

@@ -6,7 +6,8 @@ are generated rather than typed: ``Wgmma`` for N = 8..256 in powers of two (the 
 kernel splits other widths into these), ``WgmmaSS`` for every multiple of 8 up to 256
 (the TMA kernel issues one instruction per k step at any next_n * num_heads: a split
 would re-read the A tile from shared memory and cost descriptor arithmetic per piece).
-Run from the repository root; the output is committed.
+Run from the repository root; the output is committed, and tests/test_contract.py fails
+when it differs from what this script writes.
 """
 
 from __future__ import annotations
@@ -77,10 +78,15 @@ struct WgmmaSS<{n}, {"true" if f16 else "false"}> {{
 """
 
 
-def main() -> None:
+def render() -> str:
+    """The header's text (tests/test_contract.py checks the committed file against it)."""
     text = HEAD + "".join(wrapper(n, f16) for n in SIZES for f16 in (False, True))
     text += "".join(wrapper_ss(n, f16) for n in SS_SIZES for f16 in (False, True))
-    text += "\n}  // namespace fij_mqa\n"
+    return text + "\n}  // namespace fij_mqa\n"
+
+
+def main() -> None:
+    text = render()
     out = Path(__file__).resolve().parent.parent / "templates" / "mqa_logits/wgmma.cuh"
     out.write_text(text)
     print(f"wrote {out} ({len(text.splitlines())} lines)")

@@ -8,7 +8,7 @@
 The first call compiles/loads and warms up (skipped by --launch-skip 1); the second is
 the profiled launch. --variant forces (warpgroups, stages, portable, ring) as the
 benchmark's variants do, e.g. 4,2,0,0 for the direct kernel, or
-tma,W,S,PRODUCERS,QBUF,PROBE (see mqa_logits_tma.TmaConfig).
+tma,W,S,PRODUCERS,QBUF[,PROBE] (mqa_logits.tma.TmaConfig; PROBE: tools/mqa_logits_probe.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench_mqa_logits as bench  # noqa: E402
+from mqa_logits_probe import probe_options  # noqa: E402
 
 from flashinfer_jit.mqa_logits import OP, MqaLogitsOptions  # noqa: E402
 from flashinfer_jit.mqa_logits.tma import TmaConfig  # noqa: E402
@@ -35,16 +36,18 @@ def main() -> None:
     parser.add_argument(
         "--variant",
         default=None,
-        help="W,S,PORTABLE,RING or tma,W,S,PRODUCERS,QBUF,PROBE (default: auto)",
+        help="W,S,PORTABLE,RING or tma,W,S,PRODUCERS,QBUF[,PROBE] (default: auto)",
     )
     args = parser.parse_args()
-    config = None
+    options = MqaLogitsOptions()
     if args.variant and args.variant.startswith("tma,"):
-        config = TmaConfig(*(int(x) for x in args.variant.split(",")[1:]))
+        w, s, p, qb, *probe = (int(x) for x in args.variant.split(",")[1:])
+        config = TmaConfig(w, s, p, qb)
+        options = probe_options(config, probe[0]) if probe else MqaLogitsOptions(config=config)
     elif args.variant:
         w, s, p, r = (int(x) for x in args.variant.split(","))
-        config = (w, s, bool(p), bool(r))
-    logits = OP.runner(MqaLogitsOptions(config=config)).call
+        options = MqaLogitsOptions(config=(w, s, bool(p), bool(r)))
+    logits = OP.runner(options).call
     gen = torch.Generator().manual_seed(0)
     q, kv, w, table, lens = bench.make_set(
         args.batch, args.next_n, args.heads, args.length, args.block, gen

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shutil
 import statistics
 import sys
 import tempfile
@@ -29,12 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_mqa_logits as bench  # noqa: E402
+from mqa_logits_probe import Probe, patched_family  # noqa: E402
 
 import flashinfer_jit.mqa_logits as mq  # noqa: E402
-from flashinfer_jit._jit import TEMPLATE_ROOT  # noqa: E402
-from flashinfer_jit._version import __version__  # noqa: E402
-from flashinfer_jit.mqa_logits.tma import tma_family  # noqa: E402
-from jit_kernels import KernelBuilder, KernelFamily  # noqa: E402
+from jit_kernels import KernelFamily  # noqa: E402
 
 SLOTS = 256  # per CTA: 0-15 CTA events, 16 + 48 wg + 2 o (+1): tile o's arrival (done)
 TILES = 24  # tiles traced per warpgroup
@@ -77,24 +74,9 @@ PATCHES = [
 
 
 def traced_family(root: Path) -> KernelFamily:
-    """The TMA family built from a traced copy of the templates under ``root``."""
-    shutil.copytree(TEMPLATE_ROOT, root, dirs_exist_ok=True)
-    path = root / "mqa_logits/sm90_tma_wgmma.cuh"
-    text = path.read_text()
-    for anchor, replacement in PATCHES:
-        if text.count(anchor) != 1:
-            raise SystemExit(f"trace anchor not found exactly once in {path.name}: {anchor!r}")
-        text = text.replace(anchor, replacement)
-    path.write_text(text)
-    f = tma_family
-    return KernelFamily(
-        KernelBuilder(root, __version__ + "+trace"),
-        "mqa_logits_tma_trace",
-        f.template,
-        f.kernel,
-        f.param_names,
-        f.signature,
-    )
+    """The TMA family (probe parameter last, tools/mqa_logits_probe.py) built from a traced
+    copy of the templates under ``root``."""
+    return patched_family(root, "mqa_logits_tma_trace", PATCHES)
 
 
 def _spread(values) -> str:
@@ -102,17 +84,19 @@ def _spread(values) -> str:
     return f"{v[0]:7.2f} {statistics.median(v):7.2f} {v[-1]:7.2f}"
 
 
+# size: one traced run and its report, in the order the report prints
 def trace_call(family: KernelFamily, shape: tuple, seed: int, probe: int) -> dict[int, float]:
     """Trace one graph of 8 calls; print its phases; return {SM: first tile -> end, µs}."""
     batch, next_n, heads, length = shape
     gen = torch.Generator().manual_seed(seed)
     sets = [bench.make_set(batch, next_n, heads, length, 64, gen) for _ in range(8)]
     try:
-        variant = ("auto", {"probe": probe}) if probe else None
+        variant = ("probe", probe, None) if probe else None
         bench.set_variant(variant, shape)
         untraced = bench.time_graph_calls(sets, length, 40)
+        traced_probe = Probe(family, probe)
         options = bench.variant_options(variant, shape)
-        bench.set_runner(mq.OP.runner(dataclasses.replace(options, tma_family=family)))
+        bench.set_runner(mq.OP.runner(dataclasses.replace(options, tma_family=traced_probe)))
         traced = bench.time_graph_calls(sets, length, 40)  # the last call's trace survives
         ptr, size = next(iter(family._loaded.values())).global_buffer("fij_trace")
         trace = torch.empty(size // 8, dtype=torch.int64)

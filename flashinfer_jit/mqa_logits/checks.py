@@ -142,6 +142,7 @@ def check_dtypes(output_dtype, epi_dtype, acc_dtype) -> None:
         )
 
 
+# size: every argument rule in the order the errors name them; a split would scatter the contract
 def check_args(q, kv_fused, weights, block_tables, seq_lens, max_seq_len) -> tuple[int, ...]:
     """Validate shapes, dtypes, devices and the kernel restrictions; return the geometry."""
     _need(

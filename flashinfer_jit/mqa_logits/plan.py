@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+from typing import Protocol
 
 import torch
 
-from jit_kernels import KernelFamily, KernelSpec, KernelUnavailable, capability, sm_count
+from jit_kernels import KernelSpec, KernelUnavailable, LoadedKernel, capability, sm_count
 from jit_kernels.plan_cache import PlanCache
 
 from .._jit import cuda_device_index
@@ -37,22 +38,28 @@ from .tma import (
 log = logging.getLogger("flashinfer_jit.mqa_logits")
 
 
+class TmaFamily(Protocol):
+    """What builds the TMA kernel: ``tma.tma_family``, or a tool's build of it."""
+
+    def get(self, params: tuple, device: int) -> LoadedKernel: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class MqaLogitsOptions(Options):
     """Variants the tests and tools/bench_mqa_logits.py compare. ``config``: a ring/direct
     (warpgroups, stages, portable, ring) turns the TMA kernel off (stages 0: as many as fit
-    the ring); a ``TmaConfig`` forces that kernel's config (stages 0: as many as fit; probe
-    1/2/3: the benchmark's timing probes, which write no valid logits). ``force_generic``:
+    the ring); a ``TmaConfig`` forces that kernel's config (stages 0: as many as fit).
+    ``force_generic``:
     always the generic kernel. ``pdl``: the TMA kernel goes out as a programmatic dependent
     launch (its launch and prologue overlap the previous kernel's tail; it waits for that
     kernel's results before reading anything). ``tma_family``: another build of the TMA
-    kernel with its parameters (an instrumented one, tools/trace_mqa_logits.py).
+    kernel with its parameters (an instrumented one or a timing probe: tools/).
     ``l2_promotion``: the KV tensor map's L2 fill size in bytes (tma.kv_tensor_map)."""
 
     config: RingConfig | TmaConfig | None = None
     force_generic: bool = False
     pdl: bool = True
-    tma_family: KernelFamily | None = None
+    tma_family: TmaFamily | None = None
     l2_promotion: int = 128
 
 

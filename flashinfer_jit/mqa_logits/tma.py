@@ -38,7 +38,6 @@ tma_family = kernel_family(
         "stages",
         "producers",
         "qbuf",
-        "probe",
     ),
     (*LOGITS_ARGS, TENSOR_MAP),  # + the KV pool's tensor map
     archs=("sm_90a",),
@@ -54,7 +53,6 @@ class TmaConfig(NamedTuple):
     stages: int  # ring stages
     producers: int  # producer warps
     qbuf: int  # Q buffers per warpgroup (2: the next request's Q is prefetched)
-    probe: int = 0  # benchmark only: 1/2/3 time parts of the kernel and write no logits
 
 
 def tma_regs(n: int) -> int:

@@ -1,4 +1,4 @@
-"""Argument checks and kernel applicability of the QSA fp8 decode (split from ``qsa``).
+"""Argument checks and kernel applicability of the QSA fp8 decode.
 
 Host-side only: the checks that raise a clear exception naming the argument and the rule
 before anything runs, and the reasons a valid call cannot take the kernels (it then takes
@@ -21,6 +21,58 @@ MAX_GROUP = 16
 
 
 # -- argument checks -----------------------------------------------------------------------
+def _tensor(name: str, value, dim: int, dtypes: tuple, what: str) -> None:
+    if not isinstance(value, torch.Tensor) or value.dim() != dim:
+        raise ValueError(f"{name} must be a {dim}-D tensor {what}")
+    if value.dtype not in dtypes:
+        allowed = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must be {allowed}, got {value.dtype}")
+
+
+def _check_rows(q, out, output_gate) -> None:
+    _tensor("q", q, 3, (torch.bfloat16,), "[rows, num_query_heads, head_dim]")
+    for name, t in (("out", out), ("output_gate", output_gate)):
+        _tensor(name, t, 3, (torch.bfloat16,), "[rows, num_query_heads, head_dim]")
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+
+
+def _check_caches(q, k_cache, v_cache) -> None:
+    layout = "[num_blocks, page_size, num_kv_heads, head_dim]"
+    _tensor("k_cache", k_cache, 4, FP8_CACHE_DTYPES, layout)
+    _tensor("v_cache", v_cache, 4, FP8_CACHE_DTYPES, layout)
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"v_cache must match k_cache's shape and dtype {tuple(k_cache.shape)}/{k_cache.dtype}, "
+            f"got {tuple(v_cache.shape)}/{v_cache.dtype}"
+        )
+    _, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"k_cache head_dim {cache_dim} differs from q's {head_dim}")
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_query_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if page_size < 1:
+        raise ValueError("k_cache page_size (dim 1) must be at least 1")
+
+
+def _check_selection(rows: int, logical_indices, block_table, token_to_req) -> None:
+    what = "[rows, TOPK + 1] (last column: valid count)"
+    _tensor("logical_indices", logical_indices, 2, (torch.int32,), what)
+    if logical_indices.shape[0] != rows or logical_indices.shape[1] < 1:
+        raise ValueError(
+            f"logical_indices must be [rows={rows}, TOPK + 1], got {tuple(logical_indices.shape)}"
+        )
+    _tensor("block_table", block_table, 2, (torch.int32,), "[num_requests, width]")
+    _tensor("token_to_req", token_to_req, 1, (torch.int32,), "[rows]")
+    if token_to_req.shape[0] != rows:
+        raise ValueError(
+            f"token_to_req must have {rows} entries (one per row), got {token_to_req.shape[0]}"
+        )
+
+
 def check_args(
     q,
     k_cache,
@@ -34,57 +86,9 @@ def check_args(
     output_scale,
 ) -> None:
     """Raise a ValueError/TypeError naming the argument and the rule it breaks."""
-
-    def tensor(name, value, dim, dtypes, what):
-        if not isinstance(value, torch.Tensor) or value.dim() != dim:
-            raise ValueError(f"{name} must be a {dim}-D tensor {what}")
-        if value.dtype not in dtypes:
-            allowed = " or ".join(str(d) for d in dtypes)
-            raise TypeError(f"{name} must be {allowed}, got {value.dtype}")
-
-    tensor("q", q, 3, (torch.bfloat16,), "[rows, num_query_heads, head_dim]")
-    rows, num_q_heads, head_dim = q.shape
-    for name, t in (("out", out), ("output_gate", output_gate)):
-        tensor(name, t, 3, (torch.bfloat16,), "[rows, num_query_heads, head_dim]")
-        if t.shape != q.shape:
-            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
-    tensor(
-        "k_cache", k_cache, 4, FP8_CACHE_DTYPES, "[num_blocks, page_size, num_kv_heads, head_dim]"
-    )
-    tensor(
-        "v_cache", v_cache, 4, FP8_CACHE_DTYPES, "[num_blocks, page_size, num_kv_heads, head_dim]"
-    )
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"v_cache must match k_cache's shape and dtype {tuple(k_cache.shape)}/{k_cache.dtype}, "
-            f"got {tuple(v_cache.shape)}/{v_cache.dtype}"
-        )
-    num_blocks, page_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim:
-        raise ValueError(f"k_cache head_dim {cache_dim} differs from q's {head_dim}")
-    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"num_query_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
-    if page_size < 1:
-        raise ValueError("k_cache page_size (dim 1) must be at least 1")
-    tensor(
-        "logical_indices",
-        logical_indices,
-        2,
-        (torch.int32,),
-        "[rows, TOPK + 1] (last column: valid count)",
-    )
-    if logical_indices.shape[0] != rows or logical_indices.shape[1] < 1:
-        raise ValueError(
-            f"logical_indices must be [rows={rows}, TOPK + 1], got {tuple(logical_indices.shape)}"
-        )
-    tensor("block_table", block_table, 2, (torch.int32,), "[num_requests, width]")
-    tensor("token_to_req", token_to_req, 1, (torch.int32,), "[rows]")
-    if token_to_req.shape[0] != rows:
-        raise ValueError(
-            f"token_to_req must have {rows} entries (one per row), got {token_to_req.shape[0]}"
-        )
+    _check_rows(q, out, output_gate)
+    _check_caches(q, k_cache, v_cache)
+    _check_selection(q.shape[0], logical_indices, block_table, token_to_req)
     named = (
         ("k_cache", k_cache),
         ("v_cache", v_cache),

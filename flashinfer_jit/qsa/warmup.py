@@ -11,7 +11,22 @@ from jit_kernels import KernelSpec, capability, kernels_disabled, sm_count
 
 from .._jit import cuda_device_index
 from .checks import FP8_CACHE_DTYPES, HEAD_DIMS, MAX_GROUP
-from .kernels import all_specs, dispatch_plans
+from .kernels import (
+    CLUSTER_MAX,
+    CLUSTER_PAIR_CONFIG,
+    CLUSTER_SIZES,
+    DECODE_MIN_PROGRAMS,
+    WAVE_CONFIG,
+    Clusters,
+    Plan,
+    decode_plan,
+    default_config,
+    fused_fits,
+    gather_choice,
+    launch_split,
+    pairs_apply,
+    slot_plan,
+)
 from .plan import QsaOptions, bulk_ok, wave_clusters
 
 
@@ -91,3 +106,62 @@ def prebuild_specs(workloads: dict, options: QsaOptions) -> list[KernelSpec]:
                         all_specs(int(group), int(head_dim), int(page_size), entries, *forms)
                     )
     return sorted(specs, key=str)
+
+
+def dispatch_plans(
+    group: int,
+    head_dim: int,
+    page_size: int,
+    num_kv_heads: int,
+    topk: int,
+    bulk_ok: bool,
+    sms: int,
+    entries: int,
+    clusters: Clusters,
+    tmma: bool = False,
+    lean: bool = False,
+) -> list[Plan]:
+    """Every kernel the dispatcher and the single-pass function launch for calls of this
+    geometry, whatever their row count: the single pass (its loop form as ``tmma`` and
+    ``lean`` flip it) with its ordered slot pass, and the cluster split-K of each row count
+    below DECODE_MIN_PROGRAMS / Hkv (``clusters``: the device's, see launch_split)."""
+    single = default_config(head_dim, 0, bulk_ok)
+    plans = [slot_plan(page_size, True, entries)]
+    plans.append(decode_plan(group, head_dim, 0, False, bulk_ok, single, tmma, lean))
+    if not topk:
+        return plans  # nothing to split: the single pass serves every row count
+    for rows in range(1, -(-DECODE_MIN_PROGRAMS // num_kv_heads)):
+        splits, config, pair = launch_split(rows, num_kv_heads, topk, head_dim, sms, clusters)
+        if splits == 1:
+            continue
+        fused = fused_fits(topk, splits)
+        grid = rows * num_kv_heads * splits
+        bulk, config, pair = gather_choice(head_dim, splits, grid, sms, bulk_ok, None, config, pair)
+        if not fused:
+            plans.append(slot_plan(page_size, False, entries))
+        plans.append(decode_plan(group, head_dim, splits, fused, bulk, config, pair=pair))
+    return list(dict.fromkeys(plans))
+
+
+def all_specs(
+    group: int, head_dim: int, page_size: int, entries: int, tmma: bool = False, lean: bool = False
+) -> list[KernelSpec]:
+    """Every specialization the dispatcher can launch for this geometry on any cache, row
+    count and TOPK (prebuild), the single pass in the loop form ``tmma``/``lean`` pick."""
+    bulks = (False, True) if head_dim == 128 else (False,)
+    plans = [slot_plan(page_size, order, entries) for order in (True, False)]
+    for bulk in bulks:
+        single = default_config(head_dim, 0, bulk)
+        plans.append(decode_plan(group, head_dim, 0, False, bulk, single, tmma, lean))
+        for cluster in CLUSTER_SIZES:
+            config = default_config(head_dim, cluster, bulk)
+            for fused in (True, False):
+                plans.append(decode_plan(group, head_dim, cluster, fused, bulk, config))
+                if pairs_apply(head_dim, cluster, bulk):  # small grids take it
+                    pairs = (cluster, fused, False, CLUSTER_PAIR_CONFIG)
+                    plans.append(decode_plan(group, head_dim, *pairs, pair=True))
+    # The one-wave splits (launch_split): any cluster size, as the device's GPCs decide.
+    for cluster in range(2, CLUSTER_MAX + 1) if pairs_apply(head_dim, 2, False) else ():
+        for config in (CLUSTER_PAIR_CONFIG, WAVE_CONFIG):
+            plans.append(decode_plan(group, head_dim, cluster, True, False, config, pair=True))
+    return [family.spec(params) for family, params in list(dict.fromkeys(plans))]

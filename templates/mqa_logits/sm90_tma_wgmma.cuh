@@ -23,9 +23,6 @@
 //     epilogue of mqa_logits/tile.cuh (ReLU, weights, head sum in-thread, scale, store).
 //   * The kernel waits for the preceding grid (griddepcontrol.wait) before its first global
 //     read, so the host may launch it as a programmatic dependent launch.
-// PROBE (benchmark only) leaves out parts to time the rest: 1 = consumers release each
-// stage untouched (the streaming alone), 2 = no epilogue (stream + MMA), 3 = no MMA
-// (stream + epilogue on unset accumulators). 0 is the kernel.
 #pragma once
 #include "mqa_logits/ring.cuh"
 
@@ -159,7 +156,7 @@ __device__ __forceinline__ void issue_q(const unsigned char* __restrict__ q, con
 }
 
 template <int NEXT_N, int HEADS, int DIM, int BLOCK, typename OutT, typename EpiT, typename AccT, int WGS, int STAGES,
-          int PRODUCERS, int QBUF, int PROBE>
+          int PRODUCERS, int QBUF>
 __global__ void __maxnreg__(reg_cap(WGS * 128 + 32 * PRODUCERS))
 paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS, DIM] e4m3, contiguous
                      const unsigned char* __restrict__ kv,      // [num_blocks, BLOCK * (DIM + 4)] fused pool
@@ -252,7 +249,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     if (pf_b >= 0) issue_q<N, DIM>(q, weights, pf_b, qaddr0 + (cur ^ 1) * (N * DIM), waddr0 + (cur ^ 1) * kWBytes, tid);
   };
 
-  if (PROBE != 1 && wg < len) {  // the first tile's Q loads while its KV streams in
+  if (wg < len) {  // the first tile's Q loads while its KV streams in
     int b = sched[0], t = sched[1] + wg;
     int seq = b < batch ? max(0, seq_lens[b * sl_stride]) : 0;
     skip_empty(b, t, seq, seq_lens, sl_stride, batch);
@@ -281,9 +278,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
       constexpr int kSteps = P::kWidth / 32;
       const unsigned long long ka = da + (unsigned long long)((k / kSteps) * (kTile * P::kWidth) >> 4) + 2 * (k % kSteps);
       const unsigned long long kb = db + (unsigned long long)((k / kSteps) * (N * P::kWidth) >> 4) + 2 * (k % kSteps);
-      if constexpr (PROBE == 3)
-        break;
-      else if constexpr (F16ACC)
+      if constexpr (F16ACC)
         WgmmaSS<N, true>::run(acc, ka, kb, k > 0 ? 1 : 0);
       else
         WgmmaSS<N, false>::run(reinterpret_cast<float*>(acc), ka, kb, k > 0 ? 1 : 0);
@@ -298,9 +293,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
 #pragma unroll
     for (int w = 0; w < ACC_WORDS; ++w) asm volatile("" : "+r"(acc[w])::"memory");  // read after the wait
     release_stage(empty0 + 8 * s);
-    if constexpr (PROBE == 2) {  // keep the accumulators alive without an epilogue
-      if (acc[0] == 0x7fc00001u && m.x < 0) out[0] = OutT{};
-    } else if constexpr (WREG) {
+    if constexpr (WREG) {
       tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, wreg, sc0, sc1, m.x, m.y, m.z, out, out_stride, warp, g, tig);
     } else {
       const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) +
@@ -314,8 +307,8 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     const int s = i % STAGES;
     mbar_wait(full0 + 8 * s, (i / STAGES) & 1);
     const int4 m = meta[s];
-    if (PROBE == 1 || m.x >= batch) release_stage(empty0 + 8 * s);  // the probe, or padding
-    return PROBE == 1 ? make_int4(batch, 0, 0, 0) : m;
+    if (m.x >= batch) release_stage(empty0 + 8 * s);  // padding
+    return m;
   };
 
   for (int i = wg; i < len; i += WGS) {

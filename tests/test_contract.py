@@ -1,0 +1,169 @@
+"""The op contract's structure, checked without a GPU: the module graph (ops -> engine, no
+cycle), the registry, each kernel family's declared parameters against its compiled
+entry's (ELF .nv.info), generated sources against their generator, and the size rules."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from flashinfer_jit._jit import FAMILIES, TEMPLATE_ROOT
+from flashinfer_jit.registry import OPS
+from jit_kernels import compile_cubin, render
+from jit_kernels.params import cuobjdump, entry_param_sizes
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("jit_kernels", "flashinfer_jit")
+
+
+# -- the module graph -----------------------------------------------------------------------
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, module: str, modules: set[str]) -> set[str]:
+    """The package modules ``path`` imports anywhere in it (function-level imports too: an
+    import moved into a function to dodge a cycle is still a cycle)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # ``from package import module`` needs the module; anything else, ``base`` itself
+            # (a submodule's parent package is already being imported: not an edge).
+            names = {f"{base}.{alias.name}" for alias in node.names}
+            found.update(names & modules or {base})
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph = {}
+    for module, path in files.items():
+        imported = _imports(path, module, set(files))
+        graph[module] = {m for m in imported if m in files and m != module}
+    return graph
+
+
+def test_no_import_cycles():
+    graph, state, cycles = _graph(), {}, []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join([*stack[stack.index(dep) :], dep]))
+            elif dep not in state:
+                visit(dep, [*stack, dep])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_ops_depend_on_the_engine_never_the_reverse_nor_on_each_other():
+    graph = _graph()
+    engine = {m for m in graph if m.startswith("jit_kernels")}
+    for module in engine:
+        assert not {d for d in graph[module] if d.startswith("flashinfer_jit")}, module
+    ops = {op.name for op in OPS.values()}
+    for module, deps in graph.items():
+        mine = module.split(".")[1] if module.count(".") else ""
+        if mine in ops:
+            others = {d.split(".")[1] for d in deps if d.count(".") and d.split(".")[1] in ops}
+            assert others <= {mine}, f"{module} imports another op: {others - {mine}}"
+
+
+# -- the registry ---------------------------------------------------------------------------
+def test_registry_ops_are_registered_custom_ops():
+    import torch
+
+    for name, op in OPS.items():
+        assert op.name == name
+        assert hasattr(torch.ops.flashinfer_jit, op.custom_op)
+        assert op.load_workloads().get("op", name) == name
+        assert op.prebuild_specs(op.load_workloads(), op.default.options)
+
+
+# -- kernel parameters: the declaration against the compiled entry --------------------------
+def _one_spec_per_family() -> dict:
+    specs = {}
+    for op in OPS.values():
+        for spec in op.prebuild_specs(op.load_workloads(), op.default.options):
+            if spec.supports("sm_90a"):
+                specs.setdefault(spec.family, spec)
+    # The single pass's plain loop form: QsaOptions(tmma=False, lean=False) launches it.
+    from flashinfer_jit.qsa import OP as QSA
+    from flashinfer_jit.qsa.op import with_options
+
+    for spec in QSA.prebuild_specs(QSA.load_workloads(), with_options(tmma=False, lean=False)):
+        specs.setdefault(spec.family, spec)
+    return specs
+
+
+@pytest.mark.slow
+def test_kernel_signatures_match_the_compiled_entries():
+    """Every family's typed parameter list has the sizes, in order, of its compiled entry's
+    parameters (cuobjdump -elf, EIATTR_KPARAM_INFO): a parameter added, dropped or retyped
+    on one side fails here, not as a misread argument on the GPU."""
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (pip install nvidia-cuda-cuobjdump)")
+    specs = _one_spec_per_family()
+    families = set(FAMILIES)
+    assert families == set(specs), f"families without a checked spec: {families ^ set(specs)}"
+    for name, spec in sorted(specs.items()):
+        if spec.compiler == "cute" and importlib.util.find_spec("cutlass") is None:
+            continue
+        compiled = compile_cubin(render(spec, TEMPLATE_ROOT), "sm_90a")
+        sizes = entry_param_sizes(compiled.cubin, tool)[compiled.entry]
+        declared = [p.size for p in FAMILIES[name].signature]
+        assert sizes == declared, f"{spec.label}: compiled {sizes}, declared {declared}"
+
+
+# -- generated sources ----------------------------------------------------------------------
+def test_generated_wgmma_wrappers_match_their_generator():
+    """templates/mqa_logits/wgmma.cuh is what tools/gen_mqa_logits_wgmma.py writes."""
+    path = ROOT / "tools" / "gen_mqa_logits_wgmma.py"
+    spec = importlib.util.spec_from_file_location("gen_mqa_logits_wgmma", path)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    committed = (TEMPLATE_ROOT / "mqa_logits" / "wgmma.cuh").read_text()
+    assert committed == gen.render(), "regenerate: python tools/gen_mqa_logits_wgmma.py"
+
+
+# -- size rules -----------------------------------------------------------------------------
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
+REASON = "# size:"  # a file or function over the limit says why, at its top
+
+
+def _python_files():
+    for folder in ("jit_kernels", "flashinfer_jit", "tests", "tools", "templates"):
+        yield from sorted((ROOT / folder).rglob("*.py"))
+
+
+def test_files_and_functions_are_small_or_say_why():
+    problems = []
+    for path in _python_files():
+        lines = path.read_text().splitlines()
+        if len(lines) > MAX_FILE_LINES and not any(REASON in line for line in lines[:30]):
+            problems.append(f"{path.relative_to(ROOT)}: {len(lines)} lines")
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            length = node.end_lineno - node.lineno + 1
+            head = lines[max(0, node.lineno - 3) : node.lineno + 3]
+            if length > MAX_FUNCTION_LINES and not any(REASON in line for line in head):
+                problems.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length}")
+    assert not problems, "over the size limits without a '# size:' reason:\n" + "\n".join(problems)
