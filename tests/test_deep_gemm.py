@@ -173,3 +173,25 @@ def test_native_entry_keeps_refusing_bf16():
             case.q, case.kv_cache, case.weights, case.block_table, case.context_lens,
             case.max_context_len, output_dtype=torch.bfloat16,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_bf16_kernels_compile(arch):
+    """bfloat16 logits compile in every kernel family the DeepGEMM surface reaches."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    import flashinfer_jit.mqa_logits as mq
+    from flashinfer_jit._jit import BUILDER
+    from flashinfer_jit.mqa_logits_generic import generic_specs
+    from flashinfer_jit.mqa_logits_tma import tma_config, tma_family
+    from jit_kernels import compile_cubin, render
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    specs = [
+        mq._logits_family.spec(mq._params(2, 64, 128, 64, bf16, f32, f32)),
+        generic_specs()[-1],
+    ]
+    if arch == "sm_90a":
+        specs.append(tma_family.spec((2, 64, 128, 64, bf16, f32, f32, *tma_config(128, 0))))
+    assert generic_specs()[-1].label.startswith("mqa_logits_generic[output_dtype=bfloat16")
+    for spec in specs:
+        assert compile_cubin(render(spec, BUILDER.template_root), arch).cubin, spec.label
