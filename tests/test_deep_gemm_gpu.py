@@ -11,26 +11,14 @@ import flashinfer_jit.deep_gemm as dg
 import flashinfer_jit.mqa_logits as mq
 
 from .deep_gemm_cases import check, make_case, visible
+from . import test_mqa_logits_gpu
 
 pytestmark = pytest.mark.gpu
 LENS = [0, 1, 2, 63, 64, 65, 200, 1000, 2049]
-VARIANTS = {
-    "auto": None,  # sm_90, head_dim 128: the TMA kernel
-    "ring": (3, 0, False, True),
-    "portable": (2, 0, True, True),
-    "direct": (2, 2, False, False),
-    "generic": "generic",
-}
-
-
-@pytest.fixture
-def variant(request, monkeypatch):
-    if VARIANTS[request.param] == "generic":
-        monkeypatch.setattr(mq, "_force_generic", True)
-    else:
-        monkeypatch.setattr(mq, "_config_override", VARIANTS[request.param])
-    monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a fallback to torch would hide a kernel bug
-    return request.param
+# The native GPU tests' variants (the fixture forces each, strict: no fallback to torch);
+# auto is the TMA kernel on sm_90 at head_dim 128.
+VARIANTS = ["auto", "ring_3x6", "portable", "direct_2x2", "generic"]
+variant = test_mqa_logits_gpu.variant
 
 
 def call(case, clean_logits=False, logits_dtype=torch.float32):
@@ -43,7 +31,7 @@ def call(case, clean_logits=False, logits_dtype=torch.float32):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS), indirect=True)
+@pytest.mark.parametrize("variant", VARIANTS, indirect=True)
 @pytest.mark.parametrize("two_d", [False, True], ids=["lens1d", "lens2d"])
 @pytest.mark.parametrize("clean_logits", [False, True], ids=["raw", "clean"])
 @pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
