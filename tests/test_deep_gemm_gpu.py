@@ -10,8 +10,8 @@ import torch
 import flashinfer_jit.deep_gemm as dg
 import flashinfer_jit.mqa_logits as mq
 
-from .deep_gemm_cases import check, make_case, visible
 from . import test_mqa_logits_gpu
+from .deep_gemm_cases import check, make_case, visible
 
 pytestmark = pytest.mark.gpu
 LENS = [0, 1, 2, 63, 64, 65, 200, 1000, 2049]
