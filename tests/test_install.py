@@ -147,3 +147,32 @@ def test_driver_mismatch_hint(monkeypatch):
     assert launch.driver_mismatch("cute") == ""
     monkeypatch.setattr(driver, "cuDriverGetVersion", lambda: (0, 13000))
     assert launch.driver_mismatch("nvrtc") == ""
+
+
+@pytest.mark.gpu
+def test_gpu_auto_serves_from_specialized_without_the_dsl(monkeypatch, jit_cache):
+    """No usable DSL and no bundle: auto gives the specialized kernel's (bit-exact) result,
+    cake falls back with one message naming the extra (an error in strict mode)."""
+    import torch
+
+    from flashinfer_jit import mla_kv_pack as mkp
+    from flashinfer_jit import mla_kv_pack_cake as cake
+    from jit_kernels import FallbackError
+
+    monkeypatch.setattr(jc, "cute_dsl_refusal", lambda: "nvidia-cutlass-dsl is not installed")
+    monkeypatch.setattr(cake._family, "_loaded", {})
+    monkeypatch.setattr(cake._family, "_missing", {})
+    monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
+    torch.manual_seed(0)
+    kv_nope = torch.randn(4096, 16, 256, device="cuda", dtype=torch.bfloat16) * 40
+    k_pe = torch.randn(4096, 64, device="cuda", dtype=torch.bfloat16) * 40
+    assert mkp.auto_order(4096, 16)[0] == "cake"  # auto tries cake first here
+    want = mkp.concat_mla_kv_quant_fp8(kv_nope, k_pe, backend="specialized")
+    for _ in range(2):
+        got = mkp.concat_mla_kv_quant_fp8(kv_nope, k_pe, backend="auto")
+        assert all(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for a, b in zip(got, want, strict=True)
+        )
+    with pytest.raises(FallbackError, match="nvidia-cutlass-dsl is not installed"):
+        mkp.concat_mla_kv_quant_fp8(kv_nope, k_pe, backend="cake")
