@@ -134,7 +134,11 @@ def _schedule(schedule_meta, q) -> torch.Tensor | None:
         return None
     if not isinstance(schedule_meta, torch.Tensor):
         raise TypeError("schedule_meta must be the tensor get_paged_mqa_logits_metadata returns")
-    if q.device.type != "cuda" or schedule_meta.device != q.device:
+    if (
+        not isinstance(q, torch.Tensor)
+        or q.device.type != "cuda"
+        or schedule_meta.device != q.device
+    ):
         return schedule_meta  # the checks of paged_logits name a wrong device
     if schedule_meta.dim() == 2 and schedule_meta.shape[0] != sm_count(cuda_device_index(q)) + 1:
         return None

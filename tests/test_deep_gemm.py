@@ -125,6 +125,7 @@ REJECTED = {
     "lens_3d": (ValueError, "context_lens", dict(context_lens=lambda c: c.context_lens[None])),
     "lens_batch": (ValueError, "context_lens", dict(context_lens=lambda c: c.context_lens[:1])),
     "lens_next_n": (ValueError, "next_n", dict(context_lens=lambda c: c.context_lens[:, :1])),
+    "q_not_tensor": (ValueError, "q must be a 4-D tensor", dict(q=([1, 2], None))),
     "q_dtype": (TypeError, "q must be torch.float8", dict(q=lambda c: (c.q.float(), None))),
     "weights": (ValueError, "weights", dict(weights=lambda c: c.weights[:1])),
     "table": (ValueError, "block_table ", dict(block_table=lambda c: c.block_table[0])),
