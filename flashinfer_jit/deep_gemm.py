@@ -25,6 +25,7 @@ from jit_kernels import sm_count, validate_inputs
 from ._jit import cuda_device_index
 from .mqa_logits import paged_logits
 from .mqa_logits_checks import BLOCK_SIZES
+from .mqa_logits_clean import clean_logits as write_clean
 from .mqa_logits_schedule import compute_paged_mqa_logits_schedule
 
 __all__ = [
@@ -145,20 +146,6 @@ def _schedule(schedule_meta, q) -> torch.Tensor | None:
     return schedule_meta
 
 
-def _visible(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
-    """Per output row, how many leading positions it sees (int64 [B * next_n], >= 0)."""
-    if context_lens.dim() == 2:
-        return context_lens.reshape(-1).long().clamp_min(0)
-    t = torch.arange(next_n, device=context_lens.device)
-    return (context_lens.long()[:, None] - next_n + 1 + t).reshape(-1).clamp_min(0)
-
-
-def clean(logits: torch.Tensor, context_lens: torch.Tensor, next_n: int) -> None:
-    """Write -inf at every position past each row's visible length (graph-capturable)."""
-    cols = torch.arange(logits.shape[1], device=logits.device)
-    logits.masked_fill_(cols[None, :] >= _visible(context_lens, next_n)[:, None], float("-inf"))
-
-
 def _check_lens_order(context_lens: torch.Tensor) -> None:
     """FLASHINFER_VALIDATE_INPUTS=1: the newest slot's length must be the largest (syncs)."""
     if context_lens.dim() != 2 or context_lens.numel() == 0:
@@ -209,7 +196,7 @@ def fp8_fp4_paged_mqa_logits(
     except (ValueError, TypeError) as exc:  # name the arguments as this API calls them
         raise type(exc)(_RENAMES.sub(lambda m: _NAMES[m.group(0)], str(exc))) from exc
     if clean_logits:
-        clean(logits, context_lens, q_fp8.shape[1])
+        write_clean(logits, context_lens, q_fp8.shape[1])
     return logits
 
 

@@ -41,6 +41,7 @@ from .mqa_logits_checks import (
     ring_stages,
     validate_preconditions,
 )
+from .mqa_logits_clean import clean_specs  # DeepGEMM's clean_logits (flashinfer_jit.deep_gemm)
 from .mqa_logits_generic import generic_plan, generic_specs
 from .mqa_logits_launch import Launch
 from .mqa_logits_ref import paged_mqa_logits_torch
@@ -263,7 +264,7 @@ def _launch(
 def prebuild_specs(workloads: dict) -> list[KernelSpec]:
     """Every specialization the shipped workloads reach, plus the schedule kernel."""
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    specs = {_schedule_family.spec((_SCHEDULE_THREADS,)), *generic_specs()}
+    specs = {_schedule_family.spec((_SCHEDULE_THREADS,)), *generic_specs(), *clean_specs()}
     for next_n, heads, dim, block, out_dt, epi_dt, acc_dt in itertools.product(
         workloads["next_n"],
         workloads["num_heads"],

@@ -182,6 +182,7 @@ def test_bf16_kernels_compile(arch):
     pytest.importorskip("cuda.bindings.nvrtc")
     import flashinfer_jit.mqa_logits as mq
     from flashinfer_jit._jit import BUILDER
+    from flashinfer_jit.mqa_logits_clean import clean_specs
     from flashinfer_jit.mqa_logits_generic import generic_specs
     from flashinfer_jit.mqa_logits_tma import tma_config, tma_family
     from jit_kernels import compile_cubin, render
@@ -193,6 +194,31 @@ def test_bf16_kernels_compile(arch):
     ]
     if arch == "sm_90a":
         specs.append(tma_family.spec((2, 64, 128, 64, bf16, f32, f32, *tma_config(128, 0))))
+    specs += clean_specs()
     assert generic_specs()[-1].label.startswith("mqa_logits_generic[output_dtype=bfloat16")
     for spec in specs:
         assert compile_cubin(render(spec, BUILDER.template_root), arch).cubin, spec.label
+
+
+def clean_writes_only_the_tail(device: str) -> None:
+    """clean_logits on NaN-filled logits (a row stride wider than the row): the positions a
+    row sees stay untouched, every other one up to the width is -inf."""
+    from flashinfer_jit.mqa_logits_clean import clean_logits
+
+    from .deep_gemm_cases import visible
+
+    lens_1d = torch.tensor([0, 1, 5, 300], dtype=torch.int32, device=device)
+    lens_2d = torch.tensor([[0, 0], [0, 1], [3, 5], [299, 300]], dtype=torch.int32)
+    for lens in (lens_1d, lens_2d.to(device), lens_2d.t().contiguous().t().to(device)):
+        for dtype in (torch.float32, torch.bfloat16):
+            storage = torch.full((8, 512), float("nan"), dtype=dtype, device=device)
+            logits = storage[:, :301]
+            clean_logits(logits, lens, 2)
+            for row, seen in enumerate(visible(lens, 2)):
+                assert storage[row, :seen].isnan().all(), (row, seen)
+                assert (storage[row, seen:301] == float("-inf")).all(), (row, seen)
+                assert storage[row, 301:].isnan().all()
+
+
+def test_clean_writes_only_the_tail():
+    clean_writes_only_the_tail("cpu")

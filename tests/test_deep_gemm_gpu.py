@@ -12,6 +12,7 @@ import flashinfer_jit.mqa_logits as mq
 
 from . import test_mqa_logits_gpu
 from .deep_gemm_cases import check, make_case, visible
+from .test_deep_gemm import clean_writes_only_the_tail
 
 pytestmark = pytest.mark.gpu
 LENS = [0, 1, 2, 63, 64, 65, 200, 1000, 2049]
@@ -102,3 +103,8 @@ def test_gpu_cuda_graph_with_clean_and_metadata(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         check(logits, case, clean_logits=True)
+
+
+def test_gpu_clean_kernel_writes_only_the_tail(monkeypatch):
+    monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # the kernel, not the masked fill
+    clean_writes_only_the_tail("cuda")

@@ -69,7 +69,8 @@ def test_prebuild_specs_cover_workloads():
     tma = [s for s in specs if s.family == "mqa_logits_tma"]
     assert len(tma) == shapes + small and all(s.archs == ("sm_90a",) for s in tma)
     assert not any(s.supports("sm_100a") for s in tma)
-    assert len(specs) == 1 + 9 + 2 * shapes + small
+    assert sum(s.family == "mqa_logits_clean" for s in specs) == 2  # float32, bfloat16
+    assert len(specs) == 1 + 9 + 2 + 2 * shapes + small
     assert all("portable=False" in lbl for lbl in labels if lbl.startswith("mqa_logits["))
 
 
