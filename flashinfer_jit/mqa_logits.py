@@ -41,6 +41,7 @@ from .mqa_logits_checks import (
     ring_stages,
     validate_preconditions,
 )
+from .mqa_logits_clean import clean_specs  # DeepGEMM's clean_logits (flashinfer_jit.deep_gemm)
 from .mqa_logits_generic import generic_plan, generic_specs
 from .mqa_logits_launch import Launch
 from .mqa_logits_ref import paged_mqa_logits_torch
@@ -263,8 +264,8 @@ def _launch(
 
 def prebuild_specs(workloads: dict) -> list[KernelSpec]:
     """Every specialization the shipped workloads reach, plus the schedule kernel."""
-    dtype = {"float32": torch.float32, "float16": torch.float16}
-    specs = {_schedule_family.spec((_SCHEDULE_THREADS,)), *generic_specs()}
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    specs = {_schedule_family.spec((_SCHEDULE_THREADS,)), *generic_specs(), *clean_specs()}
     for next_n, heads, dim, block, out_dt, epi_dt, acc_dt in itertools.product(
         workloads["next_n"],
         workloads["num_heads"],
@@ -380,13 +381,25 @@ def fp8_paged_mqa_logits(
     valid for positions 0 .. seq_lens[b] - next_n + t; the rest is unspecified, and rows of
     requests with seq_lens[b] == 0 are never written.
     """
+    return paged_logits(
+        q, kv_fused, weights, block_tables, seq_lens, max_seq_len, output_dtype, epi_dtype,
+        acc_dtype, schedule_meta, out, False,
+    )  # fmt: skip
+
+
+def paged_logits(
+    q, kv_fused, weights, block_tables, seq_lens, max_seq_len: int, output_dtype, epi_dtype,
+    acc_dtype, schedule_meta, out, bf16_out: bool,
+) -> torch.Tensor:  # fmt: skip
+    """``fp8_paged_mqa_logits`` with positional arguments; ``bf16_out`` admits bfloat16
+    logits (the DeepGEMM surface, flashinfer_jit.deep_gemm)."""
     compiling = _is_compiling()
     key = tensors = None
     if not compiling:
         # The replay (jit_kernels.plan_cache): the guard of the last plan, else the key.
         scalars = (
             type(max_seq_len), max_seq_len, output_dtype, epi_dtype, acc_dtype,
-            schedule_meta is None, out is None, _config_override, _force_generic, PDL,
+            schedule_meta is None, out is None, _config_override, _force_generic, PDL, bf16_out,
         )  # fmt: skip
         sched = _NO_SCHEDULE if schedule_meta is None else schedule_meta
         dest = _NO_OUT if out is None else out
@@ -401,7 +414,7 @@ def fp8_paged_mqa_logits(
                 return logits
             if key is None:  # a recalled launch declined these addresses: the full path's
                 key = _replay_key(scalars, *tensors)  # launch replaces it
-    check_dtypes(output_dtype, epi_dtype, acc_dtype)
+    check_dtypes(output_dtype, epi_dtype, acc_dtype, bf16_out)
     batch, next_n, _, _, block_size = check_args(
         q, kv_fused, weights, block_tables, seq_lens, max_seq_len
     )

@@ -39,6 +39,12 @@ __device__ __forceinline__ unsigned short f2h(float x) {
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
   return r;
 }
+// float32 -> bfloat16 bits, round to nearest even (the bfloat16 logits of the DeepGEMM surface).
+__device__ __forceinline__ unsigned short f2bf(float x) {
+  unsigned short r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+}
 __device__ __forceinline__ float h2f(unsigned short h) {
   float r;
   asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
