@@ -158,6 +158,16 @@ def cmd_env(args: argparse.Namespace) -> int:
     print(f"cuda-python         {pkg('cuda-python')} (cuda-bindings {pkg('cuda-bindings')})")
     print(f"nvrtc               {nvrtc}")
     print(f"nvidia-cutlass-dsl  {pkg('nvidia-cutlass-dsl')}")
+    from jit_kernels.compile import cute_dsl_refusal
+
+    print(f"cake kernels        {cute_dsl_refusal() or 'compiled here'}")
+    # The NVRTC extra should follow torch's CUDA major (README, "Install: the extras").
+    torch_major, nvrtc_major = (torch.version.cuda or "").split(".")[0], nvrtc.split(".")[0]
+    if torch_major and nvrtc_major.isdigit() and nvrtc_major != torch_major:
+        print(
+            f"warning             NVRTC {nvrtc} beside torch for CUDA {torch.version.cuda}: "
+            f"pip install 'flashinfer-jit[cu{torch_major}]'"
+        )
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for i in range(gpus):
         print(f"gpu {i}               {torch.cuda.get_device_name(i)} ({device_arch(i)})")

@@ -70,6 +70,9 @@ class ScalarArg:
     typed: bool = True
 
     def schema(self, alias: str) -> str:
+        default = self.default
+        if isinstance(default, bool | int | float | str) and self.schema_type != "ScalarType":
+            return f"{self.schema_type} {self.name}={default!r}"  # older callers may omit it
         return f"{self.schema_type} {self.name}"
 
 

@@ -57,10 +57,31 @@ def cute_dsl_version() -> str:
         return CUTE_DSL_PINNED_VERSION
 
 
+CUTE_DSL_EXTRA = "pip install 'flashinfer-jit[cake]'"
+
+
+def cute_dsl_refusal() -> str | None:
+    """Why this process does not compile CuTe-DSL kernels (None: it does). Only the pinned
+    release compiles them: the cake kernels are built and tested with it, and an engine may
+    pin another release beside this package (vLLM pins 4.7.1)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("nvidia-cutlass-dsl")
+    except PackageNotFoundError:
+        return f"nvidia-cutlass-dsl is not installed ({CUTE_DSL_EXTRA}) and no prebuilt cubin was found"
+    if installed != CUTE_DSL_PINNED_VERSION:
+        return (
+            f"nvidia-cutlass-dsl {installed} is installed; the cake kernels are built with "
+            f"{CUTE_DSL_PINNED_VERSION} only ({CUTE_DSL_EXTRA}, or ship a prebuilt bundle)"
+        )
+    return None
+
+
 def compiler_identity(compiler: str) -> str:
     """What the cache key records of the toolchain."""
-    if compiler == "cute":
-        return f"cutlass-dsl {cute_dsl_version()}"
+    if compiler == "cute":  # only the pinned release compiles them (cute_dsl_refusal)
+        return f"cutlass-dsl {CUTE_DSL_PINNED_VERSION}"
     return f"nvrtc {nvrtc_version()} {' '.join(NVRTC_OPTIONS)}"
 
 
@@ -124,6 +145,9 @@ def _compile_nvrtc(rendered: RenderedSource, arch: str) -> tuple[bytes, str]:
 
 def _compile_cute(rendered: RenderedSource, arch: str) -> tuple[bytes, str]:
     """Run a CuTe-DSL generator module's ``build(params, arch) -> (cubin, entry)``."""
+    refusal = cute_dsl_refusal()
+    if refusal is not None:  # an ImportError: the family reports the kernel unavailable
+        raise ImportError(refusal)
     module_name = "_fij_cute_" + Path(rendered.filename).stem
     # The file must outlive build(): the DSL reads the kernels' source back from it.
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from .arch import device_arch
 from .build import KernelBuilder
-from .launch import ArgPacker, LoadedKernel
+from .launch import ArgPacker, LaunchError, LoadedKernel, driver_mismatch
 from .params import Param, codes
 from .spec import KernelSpec, ParamValue
 
@@ -49,6 +49,9 @@ class KernelFamily:
             raise TypeError(f"{family}: declare the signature with jit_kernels.params types")
         self.packer = ArgPacker(codes(self.signature))
         self._loaded: dict[tuple[tuple[ParamValue, ...], int], LoadedKernel] = {}
+        # Why a specialization could not be had for good (no compiler, a cubin the driver
+        # rejects): later calls fall back at once instead of retrying (ms per call).
+        self._missing: dict[tuple[tuple[ParamValue, ...], int], str] = {}
         self._lock = threading.Lock()
 
     def spec(self, params: tuple[ParamValue, ...]) -> KernelSpec:
@@ -65,7 +68,17 @@ class KernelFamily:
 
     def get(self, params: tuple[ParamValue, ...], device: int) -> LoadedKernel:
         kernel = self._loaded.get((params, device))
-        return kernel if kernel is not None else self._load(params, device)
+        if kernel is not None:
+            return kernel
+        missing = self._missing.get((params, device))
+        if missing is not None:
+            raise KernelUnavailable(missing)
+        try:
+            return self._load(params, device)
+        except KernelUnavailable as exc:
+            if getattr(exc, "permanent", False):
+                self._missing[(params, device)] = str(exc)
+            raise
 
     def _load(self, params: tuple[ParamValue, ...], device: int) -> LoadedKernel:
         spec = self.spec(params)
@@ -86,10 +99,21 @@ class KernelFamily:
             try:
                 compiled, _ = self.builder.build(spec, arch)
             except ImportError as exc:
-                raise KernelUnavailable(f"no compiler for {spec.label}: {exc}") from exc
+                raise _permanent(f"no compiler for {spec.label}: {exc}") from exc
         with self._lock:
             kernel = self._loaded.get((params, device))
             if kernel is None:
-                kernel = LoadedKernel(compiled, device, self.packer, spec.label)
+                try:
+                    kernel = LoadedKernel(compiled, device, self.packer, spec.label)
+                except LaunchError as exc:  # e.g. a cubin from a newer CUDA than the driver's
+                    hint = driver_mismatch(spec.compiler)
+                    raise _permanent(f"the driver cannot load {spec.label}: {exc}{hint}") from exc
                 self._loaded[(params, device)] = kernel
         return kernel
+
+
+def _permanent(message: str) -> KernelUnavailable:
+    """A KernelUnavailable that holds for the process (the family remembers it)."""
+    exc = KernelUnavailable(message)
+    exc.permanent = True
+    return exc

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from . import native
-from .compile import CompiledKernel
+from .compile import CompiledKernel, nvrtc_version
 
 _ALIGN = {
     "b": 1,
@@ -105,6 +105,28 @@ class ArgPacker:
             data, _, address = self._new_buffers()
         self.struct.pack_into(data, 0, *args)
         return address
+
+
+def driver_mismatch(compiler: str) -> str:
+    """A hint for a cubin the driver rejected: NVRTC newer than the driver's CUDA major
+    emits cubins that driver cannot load ("" when that is not the case)."""
+    if compiler != "nvrtc":
+        return ""
+    try:
+        from cuda.bindings import driver
+
+        _, version = driver.cuDriverGetVersion()
+        nvrtc_major = int(nvrtc_version().split(".")[0])
+    except Exception:  # noqa: BLE001 (a hint only: no driver or NVRTC means no hint)
+        return ""
+    major = int(version) // 1000
+    if nvrtc_major <= major:
+        return ""
+    return (
+        f"; NVRTC {nvrtc_major} emits cubins for CUDA {nvrtc_major}, the driver supports CUDA "
+        f"{major}.{int(version) % 1000 // 10}: install the NVRTC of the driver's CUDA major "
+        f"(pip install 'flashinfer-jit[cu{major}]')"
+    )
 
 
 class LoadedKernel:

@@ -59,7 +59,8 @@ def test_prebuild_specs_cover_workloads():
     specs = mq.OP.prebuild_specs(workloads, mq.OP.default.options)
     labels = [s.label for s in specs]
     assert any(s.family == "mqa_logits_schedule" for s in specs)
-    assert sum(s.family == "mqa_logits_generic" for s in specs) == 8  # every dtype triple
+    # every dtype triple, and bfloat16 logits over float32 (the DeepGEMM surface)
+    assert sum(s.family == "mqa_logits_generic" for s in specs) == 9
     shapes = math.prod(
         len(workloads[k]) for k in ("next_n", "num_heads", "head_dim", "block_size", "output_dtype")
     )
@@ -73,7 +74,8 @@ def test_prebuild_specs_cover_workloads():
     tma = [s for s in specs if s.family == "mqa_logits_tma"]
     assert len(tma) == shapes + small and all(s.archs == ("sm_90a",) for s in tma)
     assert not any(s.supports("sm_100a") for s in tma)
-    assert len(specs) == 1 + 8 + 2 * shapes + small
+    assert sum(s.family == "mqa_logits_clean" for s in specs) == 2  # float32, bfloat16
+    assert len(specs) == 1 + 9 + 2 + 2 * shapes + small
     assert all("portable=False" in lbl for lbl in labels if lbl.startswith("mqa_logits["))
 
 

@@ -41,13 +41,18 @@ VARIANTS = {
 }
 
 
+def variant_options(name: str) -> MqaLogitsOptions:
+    """The options of the variant ``name`` (a key of VARIANTS)."""
+    if VARIANTS[name] == "generic":
+        return MqaLogitsOptions(force_generic=True)
+    return MqaLogitsOptions(config=VARIANTS[name])
+
+
 @pytest.fixture
 def variant(request, monkeypatch) -> MqaLogitsOptions:
     """The options of the variant ``request.param``."""
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a fallback to torch would hide a kernel bug
-    if VARIANTS[request.param] == "generic":
-        return MqaLogitsOptions(force_generic=True)
-    return MqaLogitsOptions(config=VARIANTS[request.param])
+    return variant_options(request.param)
 
 
 @pytest.mark.gpu

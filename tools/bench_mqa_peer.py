@@ -79,10 +79,11 @@ ROWS = [
 # --sweep: forced TMA configs (warpgroups, stages, producer warps, Q buffers) per row;
 # "l2_256": the dispatcher's config with the KV tensor map's L2 promotion at 256 bytes.
 SWEEPS = {
-    "b64L64kn2": ["l2_256"],
-    "d64": ["l2_256", TmaConfig(3, 18, 3, 2)],
-    "d32": ["l2_256", TmaConfig(3, 36, 3, 2)],
     "b256": ["l2_256"],
+    "b256n2": [TmaConfig(4, 8, 1, 2), TmaConfig(4, 8, 2, 2)],
+    "b64L64kn2": ["l2_256", TmaConfig(4, 8, 1, 2), TmaConfig(4, 8, 2, 2)],
+    "d64": ["l2_256", TmaConfig(4, 16, 1, 2), TmaConfig(4, 16, 2, 2)],
+    "d32": ["l2_256", TmaConfig(4, 32, 1, 2), TmaConfig(4, 32, 2, 2)],
 }
 
 

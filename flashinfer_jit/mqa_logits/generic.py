@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import logging
 
+import torch
+
 from jit_kernels import I32, KernelSpec, KernelUnavailable, sm_count
 
 from .._jit import kernel_family
@@ -49,5 +51,10 @@ def generic_plan(
 
 
 def generic_specs() -> list[KernelSpec]:
-    """The generic kernel for every (output, epilogue, accumulator) dtype triple."""
-    return [generic_family.spec((o, e, a)) for o, e, a in itertools.product(FLOAT_DTYPES, repeat=3)]
+    """The generic kernel for every (output, epilogue, accumulator) dtype triple, and the
+    bfloat16 logits of the DeepGEMM surface (float32 epilogue and accumulator)."""
+    triples = [
+        *itertools.product(FLOAT_DTYPES, repeat=3),
+        (torch.bfloat16, torch.float32, torch.float32),
+    ]
+    return [generic_family.spec(triple) for triple in triples]

@@ -40,13 +40,16 @@ class MqaLogits(Op[Launch, MqaLogitsOptions]):
         ),
         TensorArg("schedule_meta", optional=True),
         TensorArg("out", optional=True, mutated=True),
+        # bfloat16 logits: the DeepGEMM surface's (flashinfer_jit.deep_gemm), rounded once
+        # from the float32 epilogue; the seed's entry point passes False and refuses them.
+        ScalarArg("bf16_out", "bool", False, typed=False),
     )
     options_type = MqaLogitsOptions
 
     def prepare(self, args: tuple) -> tuple:
         q, kv_fused, weights, block_tables, seq_lens, max_seq_len = args[:6]
         output_dtype, schedule_meta, out = args[6], args[9], args[10]
-        check_dtypes(*args[6:9])
+        check_dtypes(*args[6:9], args[11])
         batch, next_n, _, _, block_size = check_args(
             q, kv_fused, weights, block_tables, seq_lens, max_seq_len
         )
@@ -59,7 +62,7 @@ class MqaLogits(Op[Launch, MqaLogitsOptions]):
             check_schedule(schedule_meta, q.device)
         if validate_inputs():
             validate_preconditions(kv_fused, block_tables, seq_lens, max_seq_len, block_size)
-        return (*args[:10], out)
+        return (*args[:10], out, args[11])
 
     def empty(self, args: tuple) -> bool:
         return args[0].shape[0] == 0 or args[5] == 0
@@ -118,5 +121,11 @@ def fp8_paged_mqa_logits(
     """
     return _run(
         (q, kv_fused, weights, block_tables, seq_lens, max_seq_len, output_dtype, epi_dtype,
-         acc_dtype, schedule_meta, out)
+         acc_dtype, schedule_meta, out, False)
     )  # fmt: skip
+
+
+def paged_logits(*args) -> torch.Tensor:
+    """``fp8_paged_mqa_logits`` with every argument positional and ``bf16_out`` last (the
+    DeepGEMM surface, flashinfer_jit.deep_gemm, admits bfloat16 logits)."""
+    return _run(args)

@@ -19,6 +19,7 @@ from jit_kernels.plan_cache import PlanCache
 from .._jit import cuda_device_index
 from ..contract import Options
 from .checks import kernel_smem
+from .clean import clean_specs
 from .generic import generic_plan, generic_specs
 from .launch import KernelPlan, Launch
 from .ring import RingConfig, ring_family, ring_params
@@ -155,8 +156,9 @@ def launch_for(args: tuple, options: MqaLogitsOptions) -> Launch:
 
 def prebuild_specs(workloads: dict) -> list[KernelSpec]:
     """Every specialization the shipped workloads reach, plus the schedule kernel."""
-    dtype = {"float32": torch.float32, "float16": torch.float16}
-    specs = {schedule_family.spec((SCHEDULE_THREADS,)), *generic_specs()}
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    # + DeepGEMM's clean_logits (flashinfer_jit.deep_gemm)
+    specs = {schedule_family.spec((SCHEDULE_THREADS,)), *generic_specs(), *clean_specs()}
     for next_n, heads, dim, block, out_dt, epi_dt, acc_dt in itertools.product(
         workloads["next_n"],
         workloads["num_heads"],

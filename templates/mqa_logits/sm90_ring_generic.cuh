@@ -78,6 +78,7 @@ __device__ __forceinline__ void tile_store_rt(const unsigned* acc_u, const float
   constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
   constexpr bool F16EPI = same_type<EpiT, fij::half_t>::value;
   constexpr bool F16OUT = same_type<OutT, fij::half_t>::value;
+  constexpr bool BF16OUT = same_type<OutT, fij::bf16_t>::value;
   const float* acc_f = reinterpret_cast<const float*>(acc_u);
   const int n = next_n * heads;
   const int pos0 = tile * kTile + warp * 16 + g;
@@ -96,6 +97,7 @@ __device__ __forceinline__ void tile_store_rt(const unsigned* acc_u, const float
         const unsigned short res = hmul((unsigned short)v, f2h(sc));
         if (tig == 0 && pos < rows) {
           if constexpr (F16OUT) reinterpret_cast<unsigned short*>(dst)[0] = res;
+          else if constexpr (BF16OUT) reinterpret_cast<unsigned short*>(dst)[0] = f2bf(h2f(res));
           else *reinterpret_cast<float*>(dst) = h2f(res);
         }
       } else {
@@ -105,6 +107,7 @@ __device__ __forceinline__ void tile_store_rt(const unsigned* acc_u, const float
         v *= sc;
         if (tig == 0 && pos < rows) {
           if constexpr (F16OUT) reinterpret_cast<unsigned short*>(dst)[0] = f2h(v);
+          else if constexpr (BF16OUT) reinterpret_cast<unsigned short*>(dst)[0] = f2bf(v);
           else *reinterpret_cast<float*>(dst) = v;
         }
       }

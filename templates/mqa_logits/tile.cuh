@@ -195,6 +195,7 @@ __device__ __forceinline__ void tile_store(const unsigned* acc_u, const W& wts, 
   constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
   constexpr bool F16EPI = same_type<EpiT, fij::half_t>::value;
   constexpr bool F16OUT = same_type<OutT, fij::half_t>::value;
+  constexpr bool BF16OUT = same_type<OutT, fij::bf16_t>::value;
   const float* acc_f = reinterpret_cast<const float*>(acc_u);
   // f32 epilogue: two independent FMA chains per (t, row), summed at the end (ILP).
   float part[NEXT_N][2], part_b[NEXT_N][2];
@@ -248,6 +249,9 @@ __device__ __forceinline__ void tile_store(const unsigned* acc_u, const W& wts, 
     if constexpr (F16OUT) {
       if constexpr (F16EPI) reinterpret_cast<unsigned short*>(dst)[0] = value;
       else reinterpret_cast<unsigned short*>(dst)[0] = f2h(value);
+    } else if constexpr (BF16OUT) {  // rounded once from the epilogue's value
+      if constexpr (F16EPI) reinterpret_cast<unsigned short*>(dst)[0] = f2bf(h2f(value));
+      else reinterpret_cast<unsigned short*>(dst)[0] = f2bf(value);
     } else {
       if constexpr (F16EPI) *reinterpret_cast<float*>(dst) = h2f(value);
       else *reinterpret_cast<float*>(dst) = value;

@@ -12,7 +12,7 @@ constexpr int kTile = 64;  // KV tokens per warpgroup tile (the wgmma M); the sc
 // its own 16K-register file and a block's warps are dealt to them round-robin, so the
 // fullest sub-partition holds ceil(warps / 4) warps: 9 warps (2 consumer warpgroups + a
 // producer warp) get 168, not 65536 / 288 = 224 (which fails with LAUNCH_OUT_OF_RESOURCES).
-// Mirrored by reg_cap in flashinfer_jit/mqa_logits_checks.py.
+// Mirrored by reg_cap in flashinfer_jit/mqa_logits/checks.py.
 __host__ __device__ constexpr int reg_cap(int threads) {
   return 65536 / (((threads + 127) / 128) * 128) / 8 * 8 > 255 ? 255
                                                                  : 65536 / (((threads + 127) / 128) * 128) / 8 * 8;
@@ -37,6 +37,12 @@ __device__ __forceinline__ unsigned pack_h2(float lo, float hi) {
 __device__ __forceinline__ unsigned short f2h(float x) {
   unsigned short r;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+}
+// float32 -> bfloat16 bits, round to nearest even (the bfloat16 logits of the DeepGEMM surface).
+__device__ __forceinline__ unsigned short f2bf(float x) {
+  unsigned short r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
   return r;
 }
 __device__ __forceinline__ float h2f(unsigned short h) {

@@ -1,0 +1,217 @@
+"""DeepGEMM's paged MQA logits API (the sparse-attention indexer), served by this package.
+
+A serving engine that calls ``deep_gemm.fp8_paged_mqa_logits`` switches with one line,
+``import flashinfer_jit.deep_gemm as deep_gemm``: the names, argument order, defaults and
+semantics below are DeepGEMM's. Everything lands on ``mqa_logits.paged_logits`` (the
+kernels of ``fp8_paged_mqa_logits``) with float32 epilogue and accumulator.
+
+Lengths: ``context_lens`` [B] (row b*next_n + t sees positions <= context_lens[b] - next_n + t)
+or [B, next_n] (row b*next_n + t sees positions < context_lens[b, t]). Both reach the kernels
+as one length per request, the one of the newest slot: context_lens[b] itself, or the column
+context_lens[:, next_n - 1] as a strided view (no copy). The kernels compute every row of a
+request up to that length, which covers each row's visible positions when the newest slot's
+length is the largest (DeepGEMM's scheduler assumes the same); past a row's own length the
+values are unspecified, as in DeepGEMM, unless ``clean_logits`` writes -inf there.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from jit_kernels import sm_count, validate_inputs
+
+from ._jit import cuda_device_index
+from .mqa_logits import compute_paged_mqa_logits_schedule, paged_logits
+from .mqa_logits.checks import BLOCK_SIZES
+from .mqa_logits.clean import clean_logits as write_clean
+
+__all__ = [
+    "fp8_fp4_paged_mqa_logits",
+    "fp8_paged_mqa_logits",
+    "get_num_sms",
+    "get_paged_mqa_logits_metadata",
+]
+LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+_NO_FP4 = (
+    "an FP4 q (a (q_fp4, q_sf) tuple with scale factors) is not served: this module serves "
+    "(q_fp8, None) only, there is no FP4 kernel"
+)
+_NO_VARLEN = (
+    "indices (DeepGEMM's varlen batches of sm100) is not served: pass one row per request "
+    "(q [B, next_n, H, D]) and 2-D context_lens [B, next_n] instead"
+)
+
+
+# The native entry's argument names in its messages -> this API's.
+_NAMES = {
+    "kv_fused": "kv_cache",
+    "block_tables": "block_table",
+    "seq_lens": "context_lens",
+    "max_seq_len": "max_context_len",
+    "output_dtype": "logits_dtype",
+}
+_RENAMES = re.compile(r"\b(" + "|".join(_NAMES) + r")\b")
+
+
+def get_num_sms() -> int:
+    """The current CUDA device's SM count (the size of the schedule), 1 without CUDA."""
+    if not torch.cuda.is_available():
+        return 1
+    return sm_count(torch.cuda.current_device())
+
+
+def _request_lens(context_lens: torch.Tensor, batch: int | None) -> tuple[torch.Tensor, int]:
+    """(one length per request, the newest slot's, as a view; next_n of 2-D lens or 0)."""
+    if not isinstance(context_lens, torch.Tensor) or context_lens.dim() not in (1, 2):
+        raise ValueError("context_lens must be a 1-D [B] or 2-D [B, next_n] int32 tensor")
+    if context_lens.dtype != torch.int32:
+        raise TypeError(f"context_lens must be torch.int32, got {context_lens.dtype}")
+    if batch is not None and context_lens.shape[0] != batch:
+        raise ValueError(f"context_lens has {context_lens.shape[0]} rows, q has batch {batch}")
+    if context_lens.dim() == 1:
+        return context_lens, 0
+    if context_lens.shape[1] == 0:
+        raise ValueError("2-D context_lens [B, next_n] needs next_n >= 1")
+    return context_lens.select(1, context_lens.shape[1] - 1), context_lens.shape[1]
+
+
+def get_paged_mqa_logits_metadata(
+    context_lens: torch.Tensor,
+    block_kv: int,
+    num_sms: int,
+    indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The schedule to pass back as ``schedule_meta``: [num_sms + 1, 2] int32 (this package's
+    split of the requests' 64-token tiles; reuse it only while ``context_lens`` is unchanged)."""
+    if indices is not None:
+        raise NotImplementedError(_NO_VARLEN)
+    if block_kv not in BLOCK_SIZES:
+        raise ValueError(f"block_kv must be one of {BLOCK_SIZES}, got {block_kv}")
+    lens, _ = _request_lens(context_lens, None)
+    return compute_paged_mqa_logits_schedule(lens, block_kv, num_sms)
+
+
+def _split_q(q) -> torch.Tensor:
+    if not isinstance(q, (tuple, list)) or len(q) != 2:
+        raise TypeError("q must be a (q_fp8, None) tuple, q_fp8 [B, next_n, H, D] float8_e4m3fn")
+    if q[1] is not None:
+        raise NotImplementedError(_NO_FP4)
+    return q[0]
+
+
+def _dense_pool(kv_cache, block_table, q) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pool, table) the kernels can read: a pool with DeepGEMM's block layout and a block
+    stride other than block_kv * (head_dim + 4) bytes is gathered, block by block the table
+    names, into a dense pool (a copy; the kernels read a dense pool)."""
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or kv_cache.is_contiguous():
+        return kv_cache, block_table  # the checks of paged_logits name what is wrong
+    _, block_kv, heads, width = kv_cache.shape
+    if heads != 1 or not isinstance(q, torch.Tensor) or q.dim() != 4 or width != q.shape[3] + 4:
+        return kv_cache, block_table  # a wrong shape: the checks of paged_logits say so
+    if kv_cache.stride(3) != 1 or kv_cache.stride(1) != width or kv_cache.stride(0) % 4:
+        raise ValueError(
+            "kv_cache must hold each token's head_dim + 4 bytes contiguously (stride(1) == "
+            f"head_dim + 4, stride(3) == 1) with a block stride divisible by 4, got stride "
+            f"{kv_cache.stride()}"
+        )
+    if kv_cache.stride(0) < block_kv * width:
+        raise ValueError(f"kv_cache blocks overlap: stride(0) = {kv_cache.stride(0)}")
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+        return kv_cache, block_table
+    # Entries past a request's own blocks may hold anything: clamp them into the pool.
+    ids = block_table.long().clamp(0, kv_cache.shape[0] - 1).flatten()
+    pool = kv_cache.index_select(0, ids)  # DeepGEMM's layout, dense
+    table = torch.arange(ids.numel(), dtype=torch.int32, device=ids.device)
+    return pool, table.view(block_table.shape)
+
+
+def _schedule(schedule_meta, q) -> torch.Tensor | None:
+    """``schedule_meta`` when it is this device's schedule; None (the kernels derive the
+    same split themselves) when the caller sized it for another SM count or passed None."""
+    if schedule_meta is None:
+        return None
+    if not isinstance(schedule_meta, torch.Tensor):
+        raise TypeError("schedule_meta must be the tensor get_paged_mqa_logits_metadata returns")
+    if (
+        not isinstance(q, torch.Tensor)
+        or q.device.type != "cuda"
+        or schedule_meta.device != q.device
+    ):
+        return schedule_meta  # the checks of paged_logits name a wrong device
+    if schedule_meta.dim() == 2 and schedule_meta.shape[0] != sm_count(cuda_device_index(q)) + 1:
+        return None
+    return schedule_meta
+
+
+def _check_lens_order(context_lens: torch.Tensor) -> None:
+    """FLASHINFER_VALIDATE_INPUTS=1: the newest slot's length must be the largest (syncs)."""
+    if context_lens.dim() != 2 or context_lens.numel() == 0:
+        return
+    if context_lens.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    if bool((context_lens > context_lens[:, -1:]).any()):
+        raise ValueError(
+            "context_lens[b, t] exceeds context_lens[b, next_n - 1]: the kernels compute each "
+            "request up to its newest slot's length"
+        )
+
+
+def fp8_fp4_paged_mqa_logits(
+    q: tuple[torch.Tensor, torch.Tensor | None],
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    schedule_meta: torch.Tensor,
+    max_context_len: int,
+    clean_logits: bool = False,
+    logits_dtype: torch.dtype = torch.float32,
+    indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DeepGEMM's ``fp8_fp4_paged_mqa_logits`` for FP8 q: [B * next_n, max_context_len] logits
+    in ``logits_dtype`` (float32 or bfloat16, rounded once from the float32 epilogue)."""
+    q_fp8 = _split_q(q)
+    if indices is not None:
+        raise NotImplementedError(_NO_VARLEN)
+    if logits_dtype not in LOGITS_DTYPES:
+        raise ValueError(
+            f"logits_dtype must be torch.float32 or torch.bfloat16, got {logits_dtype}"
+        )
+    batch = q_fp8.shape[0] if isinstance(q_fp8, torch.Tensor) and q_fp8.dim() == 4 else None
+    lens, lens_next_n = _request_lens(context_lens, batch)
+    if lens_next_n and batch is not None and lens_next_n != q_fp8.shape[1]:
+        raise ValueError(f"context_lens is [B, {lens_next_n}], q has next_n {q_fp8.shape[1]}")
+    if validate_inputs():
+        _check_lens_order(context_lens)
+    kv_cache, block_table = _dense_pool(kv_cache, block_table, q_fp8)
+    f32 = torch.float32
+    try:
+        logits = paged_logits(
+            q_fp8, kv_cache, weights, block_table, lens, max_context_len, logits_dtype, f32, f32,
+            _schedule(schedule_meta, q_fp8), None, True,
+        )  # fmt: skip
+    except (ValueError, TypeError) as exc:  # name the arguments as this API calls them
+        raise type(exc)(_RENAMES.sub(lambda m: _NAMES[m.group(0)], str(exc))) from exc
+    if clean_logits:
+        write_clean(logits, context_lens, q_fp8.shape[1])
+    return logits
+
+
+def fp8_paged_mqa_logits(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    schedule_meta: torch.Tensor,
+    max_context_len: int,
+    clean_logits: bool = False,
+    indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DeepGEMM's ``fp8_paged_mqa_logits``: q is the FP8 tensor itself, float32 logits."""
+    return fp8_fp4_paged_mqa_logits(
+        (q, None), kv_cache, weights, context_lens, block_table, schedule_meta,
+        max_context_len, clean_logits, torch.float32, indices,
+    )  # fmt: skip
