@@ -167,3 +167,31 @@ def test_files_and_functions_are_small_or_say_why():
             if length > MAX_FUNCTION_LINES and not any(REASON in line for line in head):
                 problems.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length}")
     assert not problems, "over the size limits without a '# size:' reason:\n" + "\n".join(problems)
+
+
+# -- constants the host mirrors from the kernel sources ---------------------------------------
+def _mirrors() -> list[tuple[int, str, str]]:
+    """(the Python value, the template, the C++ constexpr it mirrors)."""
+    from flashinfer_jit.mla_kv_pack import specialized
+    from flashinfer_jit.mqa_logits import checks as mqa_checks
+    from flashinfer_jit.qsa import kernels as qsa_kernels
+
+    return [
+        (specialized.WARPS_PER_BLOCK, "mla_kv_pack/sm90_warp_cvt.cuh", "kWarpsPerBlock"),
+        (mqa_checks.TILE, "mqa_logits/util.cuh", "kTile"),
+        (qsa_kernels.CHUNK, "qsa/util.cuh", "kChunk"),
+        (qsa_kernels.SLOT_THREADS, "qsa/sm89_slot_pass.cuh", "kSlotThreads"),
+        (qsa_kernels._RED_PAD, "qsa/util.cuh", "kRedPad"),
+        (qsa_kernels._BULK_STAGE_BYTES, "qsa/bulk.cuh", "kBulkStageBytes"),
+    ]
+
+
+@pytest.mark.parametrize("value, template, name", _mirrors())
+def test_host_mirrors_of_kernel_constants_agree(value, template, name):
+    """A launch shape or shared-memory size computed on the host from a constant the kernel
+    defines: the two must agree (the kernel's is the definition)."""
+    import re
+
+    text = (TEMPLATE_ROOT / template).read_text()
+    found = re.findall(rf"constexpr int {name} = (\d+);", text)
+    assert found == [str(value)], f"{name} in {template}: {found}, the host uses {value}"

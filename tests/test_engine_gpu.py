@@ -93,3 +93,12 @@ def test_runs_on_a_side_stream(monkeypatch):
     torch.cuda.current_stream().wait_stream(stream)
     ref_key, _ = _torch_reference(kv, pe)
     assert torch.equal(key.view(torch.uint8), ref_key.view(torch.uint8))
+
+
+def test_arch_limits_table_matches_the_device():
+    """Launch configs are sized from jit_kernels.arch's table (prebuild has no device): the
+    device must report the same opt-in shared memory per block."""
+    from jit_kernels import device_arch, device_smem_per_block, smem_per_block
+
+    for device in range(torch.cuda.device_count()):
+        assert smem_per_block(device_arch(device)) == device_smem_per_block(device)

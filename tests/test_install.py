@@ -121,7 +121,6 @@ def test_a_cubin_the_driver_rejects_is_unavailable(monkeypatch, jit_cache):
     """cuLibraryLoadData failing (a cubin from a newer CUDA) is KernelUnavailable naming the
     extra to install, never an exception the op does not expect."""
     import flashinfer_jit.mqa_logits.schedule as ms
-
     from jit_kernels import launch
 
     def reject(*args):
