@@ -180,11 +180,9 @@ class Op(Generic[PlanT, OptionsT]):
         return None
 
     def _register(self) -> None:
-        aliases = iter("abcdefghij")
-        fields = ", ".join(
-            a.schema(next(aliases) if getattr(a, "mutated", False) else "") for a in self.args
-        )
-        mutated = tuple(a.name for a in self.args if getattr(a, "mutated", False))
+        mutated = tuple(a.name for a in self.args if isinstance(a, TensorArg) and a.mutated)
+        aliases = dict(zip(mutated, "abcdefghij", strict=False))  # one alias per output
+        fields = ", ".join(a.schema(aliases.get(a.name, "")) for a in self.args)
         default = self.default
 
         def impl(*args) -> None:

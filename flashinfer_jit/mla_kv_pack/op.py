@@ -32,8 +32,10 @@ class MlaKvPackOptions(Options):
 class Plan:
     """One fused launch with everything but the four tensors' addresses fixed."""
 
-    __slots__ = ("kernel", "grid", "block", "device", "align_mask", "scalars", "cake", "replay")
-    __slots__ += ("shapes", "place")
+    __slots__ = (
+        *("kernel", "grid", "block", "device", "align_mask", "scalars", "cake", "replay"),
+        *("shapes", "place"),
+    )
 
     def __init__(
         self, kernel, shape: tuple, kv_nope, align: int, scalars: tuple, cake_layout: bool

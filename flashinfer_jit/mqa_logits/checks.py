@@ -1,4 +1,4 @@
-"""Argument checks and fit rules of ``fp8_paged_mqa_logits`` (split from ``mqa_logits``).
+"""Argument checks and fit rules of ``fp8_paged_mqa_logits``.
 
 Everything here is host-side and op-specific: the public size helpers, the kernel's
 restrictions (which also decide its launch configuration), and the checks that raise

@@ -1,4 +1,4 @@
-"""The QSA decode's kernels (split from ``qsa``): families, launch configs, split rule, specs.
+"""The QSA decode's kernels: families, launch configs, split rule, specs.
 
 ``plan.decode_launch`` picks a call's kernels with these helpers, and warm-up and prebuild
 enumerate their specializations with the same helpers, so the three cannot drift apart.
