@@ -184,9 +184,11 @@ class Op(Generic[PlanT, OptionsT]):
         aliases = dict(zip(mutated, "abcdefghij", strict=False))  # one alias per output
         fields = ", ".join(a.schema(aliases.get(a.name, "")) for a in self.args)
         default = self.default
+        # The dispatcher drops trailing arguments equal to their schema defaults: restore them.
+        defaults = tuple(a.default if isinstance(a, ScalarArg) else None for a in self.args)
 
         def impl(*args) -> None:
-            self.serve(args, default.options)
+            self.serve((*args, *defaults[len(args) :]), default.options)
 
         registered = torch.library.custom_op(
             f"flashinfer_jit::{self.custom_op}",
