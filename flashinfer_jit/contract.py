@@ -23,6 +23,8 @@ Each op is registered as a torch custom op with a fake (``torch.compile`` keeps 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import json
 import threading
 from collections.abc import Callable, Sequence
@@ -90,9 +92,10 @@ class LaunchPlan(Protocol):
 
     replay: bool  # whether a repeat call may replay it
 
-    def run(self, args: tuple) -> Any:
-        """Launch for ``args`` on the current stream and return the op's result; None, with
-        nothing launched, when an address breaks what the metadata cannot fix (alignment)."""
+    def run(self, *args: Any) -> Any:
+        """Launch for ``args`` (the op's, in the declared order) on the current stream and
+        return the op's result; None, with nothing launched, when an address breaks what the
+        metadata cannot fix (alignment)."""
 
 
 PlanT = TypeVar("PlanT", bound=LaunchPlan)
@@ -159,6 +162,12 @@ class Op(Generic[PlanT, OptionsT]):
                 found = self._runners.setdefault(options, Runner(self, options))
         return found
 
+    def entry(self, **fixed: Any) -> Callable[[Callable], Callable]:
+        """Decorate the op's public function: its signature (parameters named as the declared
+        args) and docstring are kept, its body is the shipped options' call path. ``fixed``:
+        declared args the public function does not take (e.g. an entry point's flag)."""
+        return lambda fn: self.default.entry(fn, fixed)
+
     def serve(self, args: tuple, options: OptionsT) -> PlanT | None:
         """Run a checked call on the kernels, else the torch path; return the plan a repeat
         call may replay (None: torch served, nothing to do, or not replayable)."""
@@ -172,7 +181,7 @@ class Op(Generic[PlanT, OptionsT]):
                 except KernelUnavailable as exc:
                     reason = str(exc)
                 else:
-                    if plan.run(args) is None:  # the refusal checked the addresses
+                    if plan.run(*args) is None:  # the refusal checked the addresses
                         raise ValueError(f"{self.log_name}: a tensor is misaligned for its kernel")
                     return plan if plan.replay else None
             fall_back(self.log_name, reason)
@@ -204,19 +213,20 @@ def _writes_outputs_only(*args) -> None:  # the op writes only outputs the calle
     return None
 
 
-def _readers(args: Sequence[Arg]) -> tuple[str, str, dict]:
+def _readers(args: Sequence[Arg], refs: Sequence[str]) -> tuple[str, str, dict]:
     """(scalars, tensors, stand-ins): the expressions that read a call's replay scalars and
-    tensors out of ``a`` (its args), and the ``absent()`` stand-ins they name."""
+    tensors (``refs``: each declared argument's expression), and the ``absent()`` stand-ins
+    they name."""
     scalars, tensors, env = [], [], {}
-    for i, arg in enumerate(args):
+    for i, (arg, ref) in enumerate(zip(args, refs, strict=True)):
         if isinstance(arg, ScalarArg):
-            scalars.append(f"type(a[{i}]), a[{i}]" if arg.typed else f"a[{i}]")
+            scalars.append(f"type({ref}), {ref}" if arg.typed else ref)
         elif arg.optional:
             env[f"_none{i}"] = absent()  # one stand-in each: a guard refuses one twice
-            scalars.append(f"a[{i}] is None")
-            tensors.append(f"_none{i} if a[{i}] is None else a[{i}]")
+            scalars.append(f"{ref} is None")
+            tensors.append(f"_none{i} if {ref} is None else {ref}")
         else:
-            tensors.append(f"a[{i}]")
+            tensors.append(ref)
     return f"({', '.join(scalars)},)", f"({', '.join(tensors)},)", env
 
 
@@ -232,32 +242,36 @@ def _key_parts(args: Sequence[Arg]) -> str:
 
 # A runner's call path, generated per op with its argument readers inlined: a loop over
 # the declaration, or a helper call per step, would cost a repeat call ~0.1-1 us more.
-_RUN = """
-def inputs(a):
+# ``{args}`` are the call's args in the declared order (``_a``'s items in ``_run``, the
+# parameters themselves in a public function); every name starts with an underscore, so
+# none is shadowed by a public function's parameter (entry).
+_PATH = """
+    if _is_compiling():
+        return _traced(({args},))
+    _s, _t = {scalars}, {tensors}
+    _plan, _k = _recall(_s, _t), None
+    if _plan is None:
+        _k = _key(_s, _t)
+        _plan = _get(_k, _t)
+    if _plan is not None:
+        _r = _plan.run({args})
+        if _r is not None:
+            return _r
+        if _k is None:  # a recalled plan declined these addresses: the full path decides
+            _k = _key(_s, _t)
+    return _full(({args},), _k, _t)
+"""
+_READERS = """
+def _inputs(_a):
     return {scalars}, {tensors}
 
-def key(s, t):
+def _key(s, t):
     try:
         return (s, {parts})
     except (AttributeError, TypeError, IndexError):
         return None
 
-def run(a):
-    if is_compiling():
-        return traced(a)
-    scalars, tensors = {scalars}, {tensors}
-    plan, k = recall(scalars, tensors), None
-    if plan is None:
-        k = key(scalars, tensors)
-        plan = get(k, tensors)
-    if plan is not None:
-        result = plan.run(a)
-        if result is not None:
-            return result
-        if k is None:  # a recalled plan declined these addresses: the full path decides
-            k = key(scalars, tensors)
-    return full(a, k, tensors)
-"""
+def _run(_a):"""
 
 
 class Runner(Generic[PlanT, OptionsT]):
@@ -273,19 +287,54 @@ class Runner(Generic[PlanT, OptionsT]):
     def __init__(self, op: Op[PlanT, OptionsT], options: OptionsT):
         self.op, self.options = op, options
         self.replays: PlanCache[PlanT] = PlanCache()  # bound below: clear it, never replace
-        scalars, tensors, env = _readers(op.args)
-        source = _RUN.format(scalars=scalars, tensors=tensors, parts=_key_parts(op.args))
-        env.update(
-            is_compiling=_is_compiling,
-            traced=self._traced,
-            recall=self.replays.recall,
-            get=self.replays.get,
-            full=self._full,
+        refs = [f"_a[{i}]" for i in range(len(op.args))]
+        scalars, tensors, self._env = _readers(op.args, refs)
+        self._env.update(
+            _is_compiling=_is_compiling,
+            _traced=self._traced,
+            _recall=self.replays.recall,
+            _get=self.replays.get,
+            _full=self._full,
         )
-        exec(compile(source, f"<flashinfer_jit.contract {op.name}>", "exec"), env)  # noqa: S102
-        self.run: Callable[[tuple], Any] = env["run"]
-        self.inputs: Callable[[tuple], tuple] = env["inputs"]
-        self.key: Callable[[tuple, tuple], tuple | None] = env["key"]
+        source = _READERS.format(scalars=scalars, tensors=tensors, parts=_key_parts(op.args))
+        self._exec(source + _PATH.format(args="*_a", scalars=scalars, tensors=tensors))
+        self.run: Callable[[tuple], Any] = self._env["_run"]
+        self.inputs: Callable[[tuple], tuple] = self._env["_inputs"]
+        self.key: Callable[[tuple, tuple], tuple | None] = self._env["_key"]
+
+    def _exec(self, source: str) -> None:
+        code = compile(source, f"<flashinfer_jit.contract {self.op.name}>", "exec")
+        exec(code, self._env)  # noqa: S102 (the package's own generated source)
+
+    def entry(self, fn: Callable, fixed: dict[str, Any]) -> Callable:
+        """A public function with ``fn``'s signature and docstring whose body is this call
+        path reading its parameters directly (one frame and a tuple index per argument less
+        than calling ``run``)."""
+        sig = inspect.signature(fn)
+        names = [a.name for a in self.op.args]
+        if set(sig.parameters) | set(fixed) != set(names) or set(sig.parameters) & set(fixed):
+            raise TypeError(
+                f"{fn.__name__}: parameters {list(sig.parameters)} + {fixed} != {names}"
+            )
+        if any(name.startswith("_") for name in names):
+            raise TypeError(f"{self.op.name}: argument names may not start with '_' ({names})")
+        params, star = [], False
+        for p in sig.parameters.values():
+            if p.kind is p.KEYWORD_ONLY and not star:
+                params.append("*")
+                star = True
+            default = ""
+            if p.default is not p.empty:  # names of their own: entries share the env
+                self._env[f"_default_{fn.__name__}_{p.name}"] = p.default
+                default = f"=_default_{fn.__name__}_{p.name}"
+            params.append(p.name + default)
+        for name, value in fixed.items():
+            self._env[f"_fixed_{fn.__name__}_{name}"] = value
+        refs = [n if n in sig.parameters else f"_fixed_{fn.__name__}_{n}" for n in names]
+        scalars, tensors, _ = _readers(self.op.args, refs)  # the same stand-in names
+        path = _PATH.format(args=", ".join(refs), scalars=scalars, tensors=tensors)
+        self._exec(f"def {fn.__name__}({', '.join(params)}):" + path)
+        return functools.update_wrapper(self._env.pop(fn.__name__), fn)
 
     def __call__(self, args: tuple) -> Any:
         return self.run(args)

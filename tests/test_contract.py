@@ -195,3 +195,25 @@ def test_host_mirrors_of_kernel_constants_agree(value, template, name):
     text = (TEMPLATE_ROOT / template).read_text()
     found = re.findall(rf"constexpr int {name} = (\d+);", text)
     assert found == [str(value)], f"{name} in {template}: {found}, the host uses {value}"
+
+
+def test_entries_pass_their_own_fixed_arguments(monkeypatch):
+    """Two public functions of one op (QSA's decode and attention entry points) each pass
+    their own fixed ``dispatch``, with every argument in the declared order."""
+    import torch
+
+    from flashinfer_jit import qsa
+
+    seen = []
+
+    def prepare(args):
+        seen.append(args[8:])
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(qsa.OP, "prepare", prepare)
+    q = torch.zeros(1, 8, 64, dtype=torch.bfloat16)
+    args = (q, None, None, None, None, None, q, q, 0.5, 2.0)
+    for fn in (qsa.qsa_sparse_paged_decode, qsa.qsa_sparse_paged_attention):
+        with pytest.raises(RuntimeError, match="stop"):
+            fn(*args)
+    assert seen == [(0.5, 2.0, False), (0.5, 2.0, True)]

@@ -295,7 +295,7 @@ def test_fast_path_dispatch(monkeypatch, fresh_replays):
         def __init__(self, ok):
             self.ok = ok
 
-        def run(self, args):
+        def run(self, *args):
             launched.append(tuple(t.data_ptr() for t in args[:4]))
             return (args[2], args[3]) if self.ok else None
 

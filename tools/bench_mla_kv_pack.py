@@ -135,7 +135,7 @@ def host_overhead(tokens: int = 1, heads: int = 16, calls: int = 3000) -> dict[s
     # The bare launch: the same kernel and arguments (recorded from one run), precomputed.
     kernel, recorded = plan.kernel, []
     plan.kernel = type("Recorder", (), {"launch": lambda self, *a: recorded.append(a[3])})()
-    plan.run((kv, pe, key, value))
+    plan.run(kv, pe, key, value)
     plan.kernel, args = kernel, recorded[0]
     stream = torch.cuda.current_stream().cuda_stream
     one = torch.zeros(1, device="cuda")

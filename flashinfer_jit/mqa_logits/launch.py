@@ -74,12 +74,25 @@ class Launch:
         self.view = None if whole else ((rows, max_seq_len), out.stride())
         self.kv_memo: tuple[int, tuple] = (-1, ())  # (kv_fused address, its kv args)
 
-    def run(self, args: tuple) -> torch.Tensor | None:
-        """Launch for ``args`` (the op's, with this launch's metadata) on the current stream
-        and return the logits view of ``out`` (None: allocated here); None, with nothing
-        launched, when q or kv_fused is not 16-byte aligned."""
-        q, kv_fused, weights, block_tables, seq_lens = args[:5]
-        schedule, out = args[9], args[10]
+    def run(
+        self,
+        q: torch.Tensor,
+        kv_fused: torch.Tensor,
+        weights: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        output_dtype: torch.dtype,
+        epi_dtype: torch.dtype,
+        acc_dtype: torch.dtype,
+        schedule: torch.Tensor | None,
+        out: torch.Tensor | None,
+        bf16_out: bool = False,
+    ) -> torch.Tensor | None:
+        """Launch for these tensors (this launch's metadata; the scalars are its own, the
+        replay key says so) on the current stream and return the logits view of ``out``
+        (None: allocated here); None, with nothing launched, when q or kv_fused is not
+        16-byte aligned."""
         q_ptr, kv_ptr = q.data_ptr(), kv_fused.data_ptr()
         if (q_ptr | kv_ptr) & 15:
             return None

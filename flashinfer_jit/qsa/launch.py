@@ -117,13 +117,25 @@ class DecodeLaunch:
         self.table = (*block_table.stride(), block_table.shape[1], block_table.shape[0])
         self.tail = (token_to_req.stride(0), num_blocks, page_size)
 
-    def run(self, args: tuple) -> torch.Tensor | None:
-        """Launch for ``args`` (the op's, with this launch's metadata) on the current stream
-        and return ``out``; None, with nothing launched, when q, the caches, out or
-        output_gate is not 16-byte aligned or (bulk copies) v_cache does not follow k_cache
-        by ``kv_gap`` bytes: the kernels' requirements that the metadata does not fix."""
-        q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, output_gate = args[:8]
-        softmax_scale, output_scale = args[8], args[9]
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        logical_indices: torch.Tensor,
+        block_table: torch.Tensor,
+        token_to_req: torch.Tensor,
+        out: torch.Tensor,
+        output_gate: torch.Tensor,
+        softmax_scale: float,
+        output_scale: float,
+        dispatch: bool = False,
+    ) -> torch.Tensor | None:
+        """Launch for these tensors (this launch's metadata) on the current stream and
+        return ``out``; None, with nothing launched, when q, the caches, out or output_gate
+        is not 16-byte aligned or (bulk copies) v_cache does not follow k_cache by
+        ``kv_gap`` bytes: the kernels' requirements that the metadata does not fix.
+        ``dispatch`` (the op's entry-point flag) was decided when this launch was planned."""
         q_ptr, k_ptr, v_ptr = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
         out_ptr, gate_ptr = out.data_ptr(), output_gate.data_ptr()
         if (q_ptr | k_ptr | v_ptr | out_ptr | gate_ptr) & 15:

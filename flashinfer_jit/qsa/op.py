@@ -73,7 +73,6 @@ class Qsa(Op[DecodeLaunch, QsaOptions]):
 
 
 OP = Qsa()
-_run = OP.default.run  # the shipped options' call path
 
 
 def with_options(**fields) -> QsaOptions:
@@ -98,11 +97,12 @@ def run_kernels(
     launch = decode_launch(
         args, with_options(**options), Variant(num_splits, fused, config, bulk, pair)
     )
-    if launch.run(args) is None:
+    if launch.run(*args) is None:
         raise ValueError("q, k_cache, v_cache, out and output_gate must be 16-byte aligned")
 
 
 # fmt: off
+@OP.entry(dispatch=False)  # the body: the contract's call path (a repeat call replays)
 def qsa_sparse_paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, logical_indices: torch.Tensor,
     block_table: torch.Tensor, token_to_req: torch.Tensor, out: torch.Tensor,
@@ -116,10 +116,9 @@ def qsa_sparse_paged_decode(
     valid count; ``block_table`` is [num_requests, width] int32; ``token_to_req`` [rows].
     Writes ``out`` and returns it.
     """
-    return _run((q, k_cache, v_cache, logical_indices, block_table, token_to_req, out,
-                 output_gate, softmax_scale, output_scale, False))
 
 
+@OP.entry(dispatch=True)
 def qsa_sparse_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, logical_indices: torch.Tensor,
     block_table: torch.Tensor, token_to_req: torch.Tensor, out: torch.Tensor,
@@ -133,6 +132,4 @@ def qsa_sparse_paged_attention(
     per SM, where that holds) whose CTAs merge their partials through distributed shared
     memory.
     """
-    return _run((q, k_cache, v_cache, logical_indices, block_table, token_to_req, out,
-                 output_gate, softmax_scale, output_scale, True))
 # fmt: on
