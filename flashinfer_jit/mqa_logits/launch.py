@@ -74,21 +74,11 @@ class Launch:
         self.view = None if whole else ((rows, max_seq_len), out.stride())
         self.kv_memo: tuple[int, tuple] = (-1, ())  # (kv_fused address, its kv args)
 
-    def run(
-        self,
-        q: torch.Tensor,
-        kv_fused: torch.Tensor,
-        weights: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        max_seq_len: int,
-        output_dtype: torch.dtype,
-        epi_dtype: torch.dtype,
-        acc_dtype: torch.dtype,
-        schedule: torch.Tensor | None,
-        out: torch.Tensor | None,
-        bf16_out: bool = False,
-    ) -> torch.Tensor | None:
+    # fmt: off
+    def run(self, q, kv_fused, weights, block_tables, seq_lens, max_seq_len: int, output_dtype,
+            epi_dtype, acc_dtype, schedule: torch.Tensor | None, out: torch.Tensor | None,
+            bf16_out: bool = False) -> torch.Tensor | None:
+        # fmt: on
         """Launch for these tensors (this launch's metadata; the scalars are its own, the
         replay key says so) on the current stream and return the logits view of ``out``
         (None: allocated here); None, with nothing launched, when q or kv_fused is not

@@ -117,20 +117,11 @@ class DecodeLaunch:
         self.table = (*block_table.stride(), block_table.shape[1], block_table.shape[0])
         self.tail = (token_to_req.stride(0), num_blocks, page_size)
 
-    def run(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        logical_indices: torch.Tensor,
-        block_table: torch.Tensor,
-        token_to_req: torch.Tensor,
-        out: torch.Tensor,
-        output_gate: torch.Tensor,
-        softmax_scale: float,
-        output_scale: float,
-        dispatch: bool = False,
-    ) -> torch.Tensor | None:
+    # fmt: off
+    def run(self, q, k_cache, v_cache, logical_indices, block_table, token_to_req, out,
+            output_gate, softmax_scale: float, output_scale: float,
+            dispatch: bool = False) -> torch.Tensor | None:
+        # fmt: on
         """Launch for these tensors (this launch's metadata) on the current stream and
         return ``out``; None, with nothing launched, when q, the caches, out or output_gate
         is not 16-byte aligned or (bulk copies) v_cache does not follow k_cache by
