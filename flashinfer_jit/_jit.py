@@ -20,7 +20,6 @@ def _template_root() -> Path:
 
 
 TEMPLATE_ROOT = _template_root()
-WORKLOAD_ROOT = Path(__file__).parent / "workloads"
 BUILDER = KernelBuilder(TEMPLATE_ROOT, __version__)
 # Every family the package declares, by name (the signature test compiles each).
 FAMILIES: dict[str, KernelFamily] = {}

@@ -28,6 +28,7 @@ import inspect
 import json
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
@@ -35,8 +36,6 @@ from torch.compiler import is_compiling as _is_compiling  # one global, not two 
 
 from jit_kernels import KernelSpec, KernelUnavailable, fall_back, kernels_disabled
 from jit_kernels.plan_cache import PlanCache, absent
-
-from ._jit import WORKLOAD_ROOT
 
 REQUIRED = object()  # a ScalarArg without a default
 
@@ -108,7 +107,7 @@ class Op(Generic[PlanT, OptionsT]):
     name: ClassVar[str]  # the CLI's and the registry's name
     log_name: ClassVar[str]  # what fallbacks are reported as
     custom_op: ClassVar[str]  # torch.ops.flashinfer_jit.<custom_op>
-    workloads: ClassVar[str]  # a file in flashinfer_jit/workloads/
+    workloads: ClassVar[Path]  # the shipped workloads (the op package's workloads.json)
     args: ClassVar[tuple[Arg, ...]]
     options_type: ClassVar[type[Options]] = Options
 
@@ -149,7 +148,7 @@ class Op(Generic[PlanT, OptionsT]):
 
     # -- shared ----------------------------------------------------------------------------
     def load_workloads(self) -> dict:
-        return json.loads((WORKLOAD_ROOT / self.workloads).read_text())
+        return json.loads(self.workloads.read_text())
 
     def runner(self, options: OptionsT) -> Runner[PlanT, OptionsT]:
         """The call path with ``options`` (one per distinct options, each with its own

@@ -92,7 +92,7 @@ def test_registry_ops_are_registered_custom_ops():
     for name, op in OPS.items():
         assert op.name == name
         assert hasattr(torch.ops.flashinfer_jit, op.custom_op)
-        assert op.load_workloads().get("op", name) == name
+        assert op.load_workloads()["op"] == name
         assert op.prebuild_specs(op.load_workloads(), op.default.options)
 
 

@@ -287,13 +287,12 @@ def summarize(row: dict) -> list[str]:
 
 
 def write_tuned(results: Path) -> int:
-    from flashinfer_jit._jit import WORKLOAD_ROOT
     from flashinfer_jit.mla_kv_pack.tuning import Tuned, block_from_measurements
 
     data = json.loads(results.read_text())
     block = block_from_measurements(data["rows"], data["device"])
     Tuned(block, cake.HEAD_GROUPS)  # validates
-    path = WORKLOAD_ROOT / mkp.WORKLOADS
+    path = mkp.WORKLOADS
     workloads = json.loads(path.read_text())
     workloads["tuned"] = block
     text = json.dumps(workloads, indent=2)

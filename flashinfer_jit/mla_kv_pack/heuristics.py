@@ -3,12 +3,13 @@ workload point (``tuning``), else the backends' heuristics."""
 
 from __future__ import annotations
 
-from .._jit import WORKLOAD_ROOT
+from pathlib import Path
+
 from . import cake, specialized, tuning
 
-WORKLOADS = "mla_kv_pack_fp8_workloads.json"
+WORKLOADS = Path(__file__).parent / "workloads.json"
 # Measured per-point choices (workloads JSON, "tuned"); the heuristics fill gaps.
-TUNED = tuning.load(WORKLOAD_ROOT / WORKLOADS, cake.HEAD_GROUPS)
+TUNED = tuning.load(WORKLOADS, cake.HEAD_GROUPS)
 
 
 def plan_specialized(tokens: int, heads: int) -> int:

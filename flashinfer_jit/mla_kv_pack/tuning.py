@@ -1,7 +1,7 @@
 """Measured choices for concat_mla_kv_quant_fp8: which backend ``auto`` prefers, and
 each backend's plan (cake head group, specialized heads per warp), per workload point.
 
-They live in the ``"tuned"`` block of ``workloads/mla_kv_pack_fp8_workloads.json``:
+They live in the ``"tuned"`` block of ``mla_kv_pack/workloads.json``:
 
     "tuned": {"device": "...", "heads": [H...], "tokens": [T...],
               "auto": [["cake" | "specialized", ... per T] ... per H],

@@ -5,6 +5,8 @@ logits[b*next_n + t, pos] = scale[pos] * sum_h weights[b*next_n + t, h] * relu(q
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from jit_kernels import KernelSpec, capability, validate_inputs
@@ -27,7 +29,7 @@ from .reference import paged_mqa_logits_torch
 class MqaLogits(Op[Launch, MqaLogitsOptions]):
     name = "mqa_logits"
     log_name = custom_op = "fp8_paged_mqa_logits"
-    workloads = "mqa_logits_workloads.json"
+    workloads = Path(__file__).parent / "workloads.json"
     # The kernels read q, kv_fused and weights densely: only their density is in the key.
     args = (
         *(TensorArg(n, dense=True) for n in ("q", "kv_fused", "weights")),

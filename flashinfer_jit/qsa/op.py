@@ -11,6 +11,7 @@ always takes the single pass.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
@@ -29,7 +30,7 @@ class Qsa(Op[DecodeLaunch, QsaOptions]):
     name = "qsa"
     log_name = "qsa"
     custom_op = "qsa_sparse_paged_decode"
-    workloads = "qsa_workloads.json"
+    workloads = Path(__file__).parent / "workloads.json"
     args = (
         *(TensorArg(n) for n in ("q", "k_cache", "v_cache", "logical_indices", "block_table")),
         TensorArg("token_to_req"),
