@@ -15,16 +15,17 @@ plan itself re-checks, such as their alignment) are new. Two ways to a hit:
   other; ``get`` then rebuilds it. A guard also refuses one tensor object passed in two
   places: such calls are served by the key alone. Where torch has no such guard (a version
   without it, or one whose guard fails the self-test below), ``recall`` finds nothing.
-- ``get(key, tensors)``: the key, built by the op in one tuple display (a helper call per
-  tensor costs ~60 ns): first its ``scalars`` tuple, then for each tensor
+- ``get(key, tensors)``: the key, built in one tuple display (a helper call per tensor
+  costs ~60 ns; flashinfer_jit.contract generates it from an op's declared arguments):
+  first its ``scalars`` tuple, then for each tensor
   ``t.shape``, ``t.stride()`` (``t.is_contiguous()`` where only density matters),
   ``t.dtype`` and ``t.get_device()`` (-1 on the CPU; it does not name the device type, so
   a process mixing CUDA with another accelerator would need ``t.device``).
 
 ``scalars`` holds each scalar after its ``type`` (True == 1 == 1.0, but the checks may
 accept one and refuse another; the type first also keeps a tensor passed as a scalar from
-being compared with a number), every module-level switch the dispatch reads at call time
-(tests and benchmarks flip them), and whether each optional tensor is None; in
+being compared with a number; scalars of types whose equal values share one type, such as
+str and torch.dtype, may go without it), and whether each optional tensor is None; in
 ``tensors`` an optional tensor given as None is its ``absent()`` stand-in (a guard takes
 tensors only).
 
