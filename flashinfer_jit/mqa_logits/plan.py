@@ -47,15 +47,16 @@ class TmaFamily(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class MqaLogitsOptions(Options):
-    """Variants the tests and tools/bench_mqa_logits.py compare. ``config``: a ring/direct
-    (warpgroups, stages, portable, ring) turns the TMA kernel off (stages 0: as many as fit
-    the ring); a ``TmaConfig`` forces that kernel's config (stages 0: as many as fit).
-    ``force_generic``:
-    always the generic kernel. ``pdl``: the TMA kernel goes out as a programmatic dependent
-    launch (its launch and prologue overlap the previous kernel's tail; it waits for that
-    kernel's results before reading anything). ``tma_family``: another build of the TMA
-    kernel with its parameters (an instrumented one or a timing probe: tools/).
-    ``l2_promotion``: the KV tensor map's L2 fill size in bytes (tma.kv_tensor_map)."""
+    """Variants the tests and tools/bench_mqa_logits.py compare (defaults: the shipped).
+
+    ``config``: a ring/direct (warpgroups, stages, portable, ring) turns the TMA kernel off
+    (stages 0: as many as fit the ring); a ``TmaConfig`` forces that kernel's config
+    (stages 0: as many as fit). ``force_generic``: always the generic kernel. ``pdl``: the
+    TMA kernel goes out as a programmatic dependent launch (its launch and prologue overlap
+    the previous kernel's tail; it waits for that kernel's results before reading anything).
+    ``tma_family``: another build of the TMA kernel with its parameters (an instrumented one
+    or a timing probe, tools/). ``l2_promotion``: the KV tensor map's L2 fill size in bytes
+    (tma.kv_tensor_map)."""
 
     config: RingConfig | TmaConfig | None = None
     force_generic: bool = False
@@ -75,7 +76,9 @@ def _launchable(plan: KernelPlan, what: str) -> KernelPlan:
     return plan
 
 
-def _tma_plan(geometry, dtypes, device: int, small: int, evict: int, options) -> KernelPlan:
+def _tma_plan(
+    geometry, dtypes, device: int, small: int, evict: int, options: MqaLogitsOptions
+) -> KernelPlan:
     next_n, heads, dim, block_size = geometry
     n = next_n * heads
     forced = options.config
@@ -99,7 +102,9 @@ def _tma_plan(geometry, dtypes, device: int, small: int, evict: int, options) ->
     return KernelPlan(kernel, grid, (threads, 1, 1), smem, (evict,), kv_map, options.pdl)
 
 
-def _specialized_plan(geometry, dtypes, device: int, small: int, evict: int, options) -> KernelPlan:
+def _specialized_plan(
+    geometry, dtypes, device: int, small: int, evict: int, options: MqaLogitsOptions
+) -> KernelPlan:
     """The TMA kernel where it applies and can be had, else the ring/direct kernel."""
     next_n, heads, dim, _ = geometry
     forced = options.config
@@ -124,7 +129,7 @@ def _specialized_plan(geometry, dtypes, device: int, small: int, evict: int, opt
 _plans: PlanCache[KernelPlan] = PlanCache(replay=False)
 
 
-def kernel_plan(geometry, dtypes, device: int, small: int, options) -> KernelPlan:
+def kernel_plan(geometry, dtypes, device: int, small: int, options: MqaLogitsOptions) -> KernelPlan:
     """The kernel that serves ``geometry`` (next_n, num_heads, head_dim, block_size) and
     ``dtypes`` (output, epilogue, accumulator) for a call of small-work class ``small``
     (``tma.small_work``), and its launch."""
