@@ -71,7 +71,7 @@ class KernelFamily:
             )
         if os.environ.get(JIT_DISABLE_ENV) == "1":
             compiled = self.builder.cache.lookup(
-                arch, spec.family, self.builder.cache_key(spec, arch)
+                arch, spec.family, self.builder.cache_key(spec, arch), spec.label
             )
             if compiled is None:
                 raise KernelUnavailable(
