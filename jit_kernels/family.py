@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from .arch import device_arch
 from .build import KernelBuilder
+from .compile import CompiledKernel
 from .launch import ArgPacker, LoadedKernel
 from .spec import KernelSpec, ParamValue
 
@@ -24,6 +25,12 @@ class KernelFamily:
     ``get(params, device)`` is the hot path: one dict lookup once the specialization
     is loaded on that device. ``params`` are the template arguments in ``param_names``
     order. The argument ``signature`` is shared by every specialization.
+
+    A refusal (KernelUnavailable: no compiler, not prebuilt with JIT disabled, an arch
+    the template does not support) is remembered per (params, device) for the process, so
+    a caller that falls back on it (``auto`` backends) pays a dict lookup per call, not a
+    cache search or a compiler import. It is forgotten when what caused it changes: the
+    ``FLASHINFER_JIT_DISABLE`` switch or the builder's cache (its roots).
     """
 
     def __init__(
@@ -44,6 +51,8 @@ class KernelFamily:
         self.archs = tuple(archs)
         self.packer = ArgPacker(signature)
         self._loaded: dict[tuple[tuple[ParamValue, ...], int], LoadedKernel] = {}
+        # (params, device) -> (message, the conditions it was refused under)
+        self._refused: dict[tuple[tuple[ParamValue, ...], int], tuple[str, tuple]] = {}
         self._lock = threading.Lock()
 
     def spec(self, params: tuple[ParamValue, ...]) -> KernelSpec:
@@ -62,7 +71,29 @@ class KernelFamily:
         kernel = self._loaded.get((params, device))
         return kernel if kernel is not None else self._load(params, device)
 
+    def _conditions(self) -> tuple:
+        """What a refusal depends on besides (params, device)."""
+        return (os.environ.get(JIT_DISABLE_ENV) == "1", self.builder.cache)
+
     def _load(self, params: tuple[ParamValue, ...], device: int) -> LoadedKernel:
+        refused = self._refused.get((params, device))
+        if refused is not None and refused[1] == self._conditions():
+            # A new exception each time: re-raising one instance grows its traceback.
+            raise KernelUnavailable(refused[0])
+        try:
+            compiled = self._compiled(params, device)
+        except KernelUnavailable as exc:
+            self._refused[(params, device)] = (str(exc), self._conditions())
+            raise
+        with self._lock:
+            kernel = self._loaded.get((params, device))
+            if kernel is None:
+                kernel = LoadedKernel(compiled, device, self.packer, self.spec(params).label)
+                self._loaded[(params, device)] = kernel
+        return kernel
+
+    def _compiled(self, params: tuple[ParamValue, ...], device: int) -> CompiledKernel:
+        """The cubin for ``params`` on ``device``'s arch, or KernelUnavailable."""
         spec = self.spec(params)
         arch = device_arch(device)
         if not spec.supports(arch):
@@ -82,9 +113,4 @@ class KernelFamily:
                 compiled, _ = self.builder.build(spec, arch)
             except ImportError as exc:
                 raise KernelUnavailable(f"no compiler for {spec.label}: {exc}") from exc
-        with self._lock:
-            kernel = self._loaded.get((params, device))
-            if kernel is None:
-                kernel = LoadedKernel(compiled, device, self.packer, spec.label)
-                self._loaded[(params, device)] = kernel
-        return kernel
+        return compiled
