@@ -152,6 +152,11 @@ class CubinCache:
         check_existing_folders(self.root, Path(self.version))
 
     def _lock(self, cubin_path: Path) -> filelock.FileLock:
+        # A folder that cannot be written (read-only or immutable) must fail here, at once:
+        # filelock retries some open() errors until its timeout (600 s) instead of raising.
+        fd, probe = tempfile.mkstemp(dir=cubin_path.parent, prefix=".probe.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
         lock_path = cubin_path.with_suffix(".lock")
         if remove_squatter(lock_path):
             log.warning("removed a folder or link in place of the lock file %s", lock_path)

@@ -3,7 +3,8 @@
 Only names the package writes are touched, so a cache root shared with other files (or
 pointed at the wrong folder) loses nothing else:
 
-    <root>/<version>/<arch>/<family>/<64 hex>.{cubin,json,lock}   (and their .tmp files)
+    <root>/<version>/<arch>/<family>/<64 hex>.{cubin,json,lock}   (and their .tmp files,
+                                                                  .probe.*.tmp)
     <root>/native/_launcher-<16 hex><suffix>{,.json,.lock}       (and their .tmp files)
 
 Folders are entered only when they are real folders (never through a link) with names of
@@ -24,7 +25,7 @@ from .cache_record import CorruptEntry, binding_problem, cubin_problem, read_rec
 VERSION_RE = re.compile(r"\d+(\.\d+)*[0-9A-Za-z.+!-]*")
 ARCH_RE = re.compile(r"sm_\d{2,3}[af]?")
 FAMILY_RE = re.compile(r"[A-Za-z0-9_]+")
-ENTRY_RE = re.compile(r"\.?[0-9a-f]{64}\.(cubin|json|lock)(\.[^/]*\.tmp)?")
+ENTRY_RE = re.compile(r"\.?[0-9a-f]{64}\.(cubin|json|lock)(\.[^/]*\.tmp)?|\.probe\.[^/]*\.tmp")
 NATIVE_RE = re.compile(r"\.?_launcher-[0-9a-f]{16}[^/]*")
 
 

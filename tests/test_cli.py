@@ -161,6 +161,34 @@ def test_a_full_file_system_is_a_failure(capsys, jit_cache, tmp_path, monkeypatc
     assert "2 of 6 kernels stored" in out and len(list(out_dir.rglob("*.cubin"))) == 2
 
 
+def test_a_read_only_cache_fails_at_once(capsys, jit_cache, tmp_path, monkeypatch, fake_compile):
+    """EROFS (or an immutable folder) fails every kernel with one cause, without waiting
+    on filelock's retries."""
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(cache.tempfile, "mkstemp", read_only)
+    start = time.monotonic()
+    argv = ["prebuild", "--arch", "sm_90a", "-j", "1", "--workloads", _mla_workloads(tmp_path)]
+    code, out, err = _run(capsys, *argv)
+    failed = [line for line in err.splitlines() if line.startswith("FAILED")]
+    assert code == 1 and len(failed) == 1 and "Read-only file system" in failed[0], err
+    assert "0 of 6 kernels stored" in out and time.monotonic() - start < 60
+
+
+def test_cache_verify_of_a_malformed_record_is_a_row_not_a_traceback(
+    capsys, jit_cache, tmp_path, fake_compile
+):
+    assert _run(capsys, "prebuild", "--arch", "sm_90a", "-j", "1",
+                "--workloads", _mla_workloads(tmp_path))[0] == 0  # fmt: skip
+    record = next(jit_cache.rglob("*.json"))
+    record.write_text("null")
+    code, out, err = _run(capsys, "cache", "verify")
+    assert code == 1 and "1 bad" in out and "Traceback" not in err
+    assert "not an object" in out
+
+
 # -- item 6: --output others can write to -----------------------------------------------------
 def test_a_world_writable_output_is_refused_before_writing(capsys, jit_cache, tmp_path):
     out_dir = tmp_path / "bundle"
