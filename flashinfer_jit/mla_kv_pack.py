@@ -175,12 +175,12 @@ class Plan:
     __slots__ = ("kernel", "grid", "block", "device", "align_mask", "scalars", "cake", "rows")
 
     def __init__(
-        self, kernel, grid, block, device: int, align: int, scalars: tuple, cake_layout: bool,
-        rows: int,
-    ):  # fmt: skip
+        self, kernel, grid, block, device: int, align: int, scalars: tuple, cake_layout: bool
+    ):
         self.kernel, self.grid, self.block, self.device = kernel, grid, block, device
         self.align_mask, self.scalars, self.cake = align - 1, scalars, cake_layout
-        self.rows = rows  # tokens * heads: key and value are rows x (NOPE + ROPE) / V bytes
+        # tokens * heads: key and value are rows x (NOPE + ROPE) and rows x V bytes
+        self.rows = scalars[0] if cake_layout else scalars[0] * scalars[1]
 
     def args(self, kv: int, pe: int, key: int, value: int) -> tuple:
         """The kernel's arguments for these addresses."""
@@ -216,7 +216,6 @@ def _plan_specialized(kv_nope, k_pe, heads_per_warp: int | None = None) -> Plan:
         16,
         (tokens, heads, per_warp, k_pe.stride(0)),
         False,
-        tokens * heads,
     )
 
 
@@ -233,7 +232,6 @@ def _plan_cake(kv_nope, k_pe, head_group: int | None = None) -> Plan:
         cake.ALIGN,
         (tokens * heads, tokens, k_pe.stride(0), (tokens, heads, groups_per_token)),
         True,
-        tokens * heads,
     )
 
 
