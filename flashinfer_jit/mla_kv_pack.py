@@ -20,6 +20,7 @@ from jit_kernels import (
     kernels_disabled,
 )
 from jit_kernels.arch import capability
+from jit_kernels.args import require_int, require_no_overlap
 from jit_kernels.plan_cache import PlanCache
 
 from . import mla_kv_pack_cake as cake
@@ -69,6 +70,7 @@ def _check_args(kv_nope, k_pe, key, value, nope_dim: int, backend: str) -> torch
     """Validate everything; return k_pe as [T, rope]."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    require_int("nope_dim", nope_dim)
     if not isinstance(kv_nope, torch.Tensor) or kv_nope.dim() != 3:
         raise ValueError("kv_nope must be a 3-D tensor [num_tokens, num_heads, nope_dim + v_dim]")
     if not kv_nope.dtype.is_floating_point or kv_nope.dtype == torch.float8_e4m3fn:
@@ -105,6 +107,7 @@ def _check_args(kv_nope, k_pe, key, value, nope_dim: int, backend: str) -> torch
             raise TypeError(f"{name} must be torch.float8_e4m3fn, got {out.dtype}")
         if out.device != kv_nope.device:
             raise ValueError(f"{name} is on {out.device}, kv_nope on {kv_nope.device}")
+    require_no_overlap({"key": key, "value": value}, {"kv_nope": kv_nope, "k_pe": k_pe})
     return k_pe
 
 
@@ -169,13 +172,15 @@ class Plan:
     """One fused launch with everything but the four tensors' addresses fixed: what the
     fast path replays when a call repeats the shapes, strides, dtypes and device."""
 
-    __slots__ = ("kernel", "grid", "block", "device", "align_mask", "scalars", "cake")
+    __slots__ = ("kernel", "grid", "block", "device", "align_mask", "scalars", "cake", "rows")
 
     def __init__(
         self, kernel, grid, block, device: int, align: int, scalars: tuple, cake_layout: bool
     ):
         self.kernel, self.grid, self.block, self.device = kernel, grid, block, device
         self.align_mask, self.scalars, self.cake = align - 1, scalars, cake_layout
+        # tokens * heads: key and value are rows x (NOPE + ROPE) and rows x V bytes
+        self.rows = scalars[0] if cake_layout else scalars[0] * scalars[1]
 
     def args(self, kv: int, pe: int, key: int, value: int) -> tuple:
         """The kernel's arguments for these addresses."""
@@ -185,8 +190,12 @@ class Plan:
         return (kv, pe, key, value, *self.scalars)
 
     def launch(self, kv: int, pe: int, key: int, value: int) -> bool:
-        """Launch on the current stream; False (nothing launched) if an address is misaligned."""
+        """Launch on the current stream; False (nothing launched) if an address is misaligned
+        or key and value overlap."""
         if (kv | pe | key | value) & self.align_mask:
+            return False
+        rows = self.rows  # key and value overlapping: the full path's checks say so
+        if key < value + rows * V and value < key + rows * (NOPE + ROPE):
             return False
         stream = current_stream(self.device)
         self.kernel.launch(self.grid, self.block, stream, self.args(kv, pe, key, value))
@@ -268,9 +277,9 @@ def _run_fused(backend: str, kv_nope, k_pe, key, value) -> Plan | bool | None:
     """Serve the call with ``backend`` (``auto``: both, in the policy's order).
 
     Returns the plan that served it when the fast path may replay it (the first choice
-    served: a fallback to the second for this call's addresses must not stick), None
-    when the second served, and False, with the reasons reported through ``fall_back``,
-    when none can serve.
+    served, or the second because the first's kernel is unavailable in this process:
+    a fallback for this call's addresses must not stick), None when the second served
+    otherwise, and False, with the reasons reported through ``fall_back``, when none can.
     """
     reason = _fused_refusal(kv_nope, k_pe, key, value)
     if reason is not None:
@@ -282,7 +291,8 @@ def _run_fused(backend: str, kv_nope, k_pe, key, value) -> Plan | bool | None:
     else:
         names = (backend,)
     reasons = []
-    for i, name in enumerate(names):
+    sticky = True  # every earlier choice is unavailable for the process (remembered)
+    for name in names:
         refuse, make_plan = _FUSED[name]
         why = refuse(kv_nope, k_pe, key, value)
         if why is None:
@@ -292,7 +302,9 @@ def _run_fused(backend: str, kv_nope, k_pe, key, value) -> Plan | bool | None:
                 why = str(exc)
             else:
                 _launch(plan, kv_nope, k_pe, key, value)
-                return plan if i == 0 else None
+                return plan if sticky else None
+        else:
+            sticky = False
         reasons.append(f"{name}: {why}")
     fall_back(OP, f"{backend} backend: {'; '.join(reasons)}")
     return False

@@ -24,6 +24,7 @@ from jit_kernels import (
     sm_count,
     validate_inputs,
 )
+from jit_kernels.args import require_no_overlap
 from jit_kernels.plan_cache import PlanCache, absent
 
 from ._jit import cuda_device_index, kernel_family
@@ -421,6 +422,9 @@ def paged_logits(
     rows = batch * next_n
     if out is not None:
         check_out(out, rows, padded_seq_len(max_seq_len), output_dtype, q.device)
+        inputs = dict(q=q, kv_fused=kv_fused, weights=weights, block_tables=block_tables,
+                      seq_lens=seq_lens, schedule_meta=schedule_meta)  # fmt: skip
+        require_no_overlap({"out": out}, inputs)
     else:
         out = torch.empty(rows, padded_seq_len(max_seq_len), dtype=output_dtype, device=q.device)
     if schedule_meta is not None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from jit_kernels import sm_count
+from jit_kernels.args import require_int
 
 from ._jit import cuda_device_index
 
@@ -27,17 +28,14 @@ STATIC_SMEM = 2048  # the kernel's static shared memory (~1.3 KB with the reserv
 # -- helpers of the public contract ----------------------------------------------------
 def min_block_table_width(max_seq_len: int, block_size: int) -> int:
     """The narrowest legal ``block_tables`` width: ceil(max_seq_len / block_size)."""
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    if max_seq_len < 0:
-        raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
+    block_size = require_int("block_size", block_size, 1)
+    max_seq_len = require_int("max_seq_len", max_seq_len, 0)
     return -(-max_seq_len // block_size)
 
 
 def padded_seq_len(max_seq_len: int) -> int:
     """Output columns the kernel may write: max_seq_len rounded up to 256."""
-    if max_seq_len < 0:
-        raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
+    max_seq_len = require_int("max_seq_len", max_seq_len, 0)
     return -(-max_seq_len // STORE_GRANULARITY) * STORE_GRANULARITY
 
 
@@ -216,11 +214,7 @@ def check_args(q, kv_fused, weights, block_tables, seq_lens, max_seq_len) -> tup
             ValueError,
             lambda n=name, t=t: f"{n} is on {t.device}, q on {q.device}",
         )
-    _need(
-        isinstance(max_seq_len, int) and max_seq_len >= 0,
-        ValueError,
-        lambda: f"max_seq_len must be a non-negative int, got {max_seq_len!r}",
-    )
+    require_int("max_seq_len", max_seq_len, 0)
     # The kernel's restrictions (the same for every device, so behaviour does not depend on it).
     _need(
         dim > 0 and dim % 32 == 0,

@@ -12,6 +12,7 @@ import math
 import torch
 
 from jit_kernels import capability
+from jit_kernels.args import require_no_overlap
 
 from ._jit import cuda_device_index
 
@@ -106,6 +107,9 @@ def check_args(
             or not math.isfinite(value)
         ):
             raise ValueError(f"{name} must be a finite real number, got {value!r}")
+    # out may be output_gate itself: the gate is read element by element where out is written.
+    inputs = dict(named[:-2], q=q, output_gate=output_gate)
+    require_no_overlap({"out": out}, inputs, in_place=("output_gate",))
 
 
 def offset_bits(page_size: int) -> int:

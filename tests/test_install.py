@@ -107,7 +107,7 @@ def test_family_remembers_a_missing_compiler(monkeypatch, jit_cache):
     monkeypatch.setattr(jc, "cute_dsl_refusal", lambda: "nvidia-cutlass-dsl 4.7.1 is installed")
     monkeypatch.setattr(jf, "device_arch", lambda device: "sm_90a")
     family = cake._family
-    monkeypatch.setattr(family, "_missing", {})
+    monkeypatch.setattr(family, "_refused", {})
     builds = []
     real_build = family.builder.build
     monkeypatch.setattr(family.builder, "build", lambda *a: builds.append(a) or real_build(*a))
@@ -130,7 +130,7 @@ def test_a_cubin_the_driver_rejects_is_unavailable(monkeypatch, jit_cache):
     monkeypatch.setattr(jf, "LoadedKernel", reject)
     monkeypatch.setattr(jf, "driver_mismatch", lambda compiler: "; install cu12")
     family = ms._schedule_family
-    monkeypatch.setattr(family, "_missing", {})
+    monkeypatch.setattr(family, "_refused", {})
     for _ in range(2):
         with pytest.raises(KernelUnavailable, match="driver cannot load .*install cu12"):
             family.get((256,), 0)
@@ -161,7 +161,7 @@ def test_gpu_auto_serves_from_specialized_without_the_dsl(monkeypatch, jit_cache
 
     monkeypatch.setattr(jc, "cute_dsl_refusal", lambda: "nvidia-cutlass-dsl is not installed")
     monkeypatch.setattr(cake._family, "_loaded", {})
-    monkeypatch.setattr(cake._family, "_missing", {})
+    monkeypatch.setattr(cake._family, "_refused", {})
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
     torch.manual_seed(0)
     kv_nope = torch.randn(4096, 16, 256, device="cuda", dtype=torch.bfloat16) * 40
