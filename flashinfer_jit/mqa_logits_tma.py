@@ -37,7 +37,6 @@ tma_family = kernel_family(
         "stages",
         "producers",
         "qbuf",
-        "split",
         "probe",
     ),
     ("P", "P", "P", "P", "q", "P", "q", "P", "P", "q", "i", "i", "M"),
@@ -54,7 +53,6 @@ class TmaConfig(NamedTuple):
     stages: int  # ring stages
     producers: int  # producer warps
     qbuf: int  # Q buffers per warpgroup (2: the next request's Q is prefetched)
-    split: int = 0  # 1: the MMA in two column halves, the first half's epilogue overlapping
     probe: int = 0  # benchmark only: 1/2/3 time parts of the kernel and write no logits
 
 

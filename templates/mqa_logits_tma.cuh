@@ -187,31 +187,23 @@ __device__ __forceinline__ void tma_mma_wait(unsigned (&acc)[ACC_WORDS]) {
   for (int w = W0; w < W1; ++w) asm volatile("" : "+r"(acc[w])::"memory");  // read after the wait
 }
 
-// A tile's epilogue once its MMA (issued SPLIT or whole) is done: the stage (empty barrier
-// empty_bar) is released as soon as no MMA reads it; with SPLIT the first half's sums run
-// while the tensor cores compute the second.
-template <int NEXT_N, int HEADS, typename OutT, typename EpiT, typename AccT, bool SPLIT, int ACC_WORDS, typename W>
+// A tile's epilogue once its MMA is done: the stage (empty barrier empty_bar) is released
+// as soon as no MMA reads it, then the sums and the store. (Splitting the MMA in two column
+// halves to overlap the first half's sums with the second's MMA was measured slower at
+// next_n*heads = 128 and no faster elsewhere: BENCHMARKS.md, MQA round 10.)
+template <int NEXT_N, int HEADS, typename OutT, typename EpiT, typename AccT, int ACC_WORDS, typename W>
 __device__ __forceinline__ void tma_epilogue(unsigned (&acc)[ACC_WORDS], const W& wts, unsigned empty_bar,
                                              float sc0, float sc1, int4 m, OutT* __restrict__ out,
                                              long long out_stride, int warp, int g, int tig) {
-  constexpr int N = NEXT_N * HEADS;
   TileSums<NEXT_N, HEADS, OutT, EpiT, AccT> sums;
-  if constexpr (SPLIT) {
-    tma_mma_wait<1, 0, ACC_WORDS / 2>(acc);
-    sums.template add<0, N / 16>(acc, wts, tig);
-    tma_mma_wait<0, ACC_WORDS / 2, ACC_WORDS>(acc);
-    release_stage(empty_bar);
-    sums.template add<N / 16, N / 8>(acc, wts, tig);
-  } else {
-    tma_mma_wait<0, 0, ACC_WORDS>(acc);
-    release_stage(empty_bar);
-    sums.template add<0, N / 8>(acc, wts, tig);
-  }
+  tma_mma_wait<0, 0, ACC_WORDS>(acc);
+  release_stage(empty_bar);
+  sums.template add<0, NEXT_N * HEADS / 8>(acc, wts, tig);
   sums.store(sc0, sc1, m.x, m.y, m.z, out, out_stride, warp, g, tig);
 }
 
 template <int NEXT_N, int HEADS, int DIM, int BLOCK, typename OutT, typename EpiT, typename AccT, int WGS, int STAGES,
-          int PRODUCERS, int QBUF, int SPLIT, int PROBE>
+          int PRODUCERS, int QBUF, int PROBE>
 __global__ void __maxnreg__(reg_cap(WGS * 128 + 32 * PRODUCERS))
 paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS, DIM] e4m3, contiguous
                      const unsigned char* __restrict__ kv,      // [num_blocks, BLOCK * (DIM + 4)] fused pool
@@ -228,7 +220,6 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   using L = TmaLayout<N, DIM, WGS, STAGES, QBUF>;
   using P = Panels<DIM>;
   static_assert(QBUF == 1 || QBUF == 2, "one or two Q buffers per warpgroup");
-  static_assert(!SPLIT || N % 16 == 0, "a split MMA takes two halves of whole 8-row groups");
   static_assert(N % 8 == 0 && N <= 256 && HEADS % 4 == 0, "unsupported geometry");
   static_assert(BLOCK == 32 || BLOCK == 64 || BLOCK == 128, "block size");
   static_assert(STAGES >= 1 && STAGES % WGS == 0 && STAGES % PRODUCERS == 0,
@@ -321,7 +312,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     }
   }
   // The MMA of the tile in stage s into acc (asynchronous: committed, not waited for).
-  // The tile in stage s: all N columns in one commit group, or (SPLIT) two of N/2 columns.
+  // The MMA of the tile in stage s into acc (asynchronous: committed, not waited for).
   auto issue_mma = [&](int s, unsigned (&acc)[ACC_WORDS]) {
     // s and cur are warp-uniform but ptxas cannot tell: broadcasting the two addresses lets
     // it build the descriptors in uniform registers (fewer instructions a tile than moving
@@ -329,33 +320,27 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     const unsigned long long da = P::desc(__shfl_sync(0xffffffffu, base + s * L::kVals, 0));
     const unsigned long long db = P::desc(__shfl_sync(0xffffffffu, qaddr0 + cur * (N * DIM), 0));
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-    if constexpr (PROBE == 3) {
+    if constexpr (PROBE == 3)
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    } else if constexpr (SPLIT) {
-      tma_mma_cols<N, 0, N / 2, DIM, F16ACC>(acc, da, db);
-      tma_mma_cols<N, N / 2, N / 2, DIM, F16ACC>(acc, da, db);
-    } else {
+    else
       tma_mma_cols<N, 0, N, DIM, F16ACC>(acc, da, db);
-    }
   };
   // Tile (stage s, descriptor m) once its MMA is done: release the stage, epilogue.
   auto finish = [&](int s, int4 m, unsigned (&acc)[ACC_WORDS]) {
     const float* scales = reinterpret_cast<const float*>(smem + L::kScales) + s * kTile;
     const float sc0 = scales[warp * 16 + g], sc1 = scales[warp * 16 + g + 8];
-    constexpr bool kSplit = SPLIT && PROBE != 3;
     if constexpr (PROBE == 2) {  // keep the accumulators alive without an epilogue
       tma_mma_wait<0, 0, ACC_WORDS>(acc);
       release_stage(empty0 + 8 * s);
       if (acc[0] == 0x7fc00001u && m.x < 0) out[0] = OutT{};
     } else if constexpr (WREG) {
-      tma_epilogue<NEXT_N, HEADS, OutT, EpiT, AccT, kSplit>(acc, wreg, empty0 + 8 * s, sc0, sc1, m, out,
-                                                            out_stride, warp, g, tig);
+      tma_epilogue<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, wreg, empty0 + 8 * s, sc0, sc1, m, out, out_stride,
+                                                    warp, g, tig);
     } else {
       const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) +
                           (wg * QBUF + cur) * LaneWeights<N>::kFloats + tig * LaneWeights<N>::kStride;
-      tma_epilogue<NEXT_N, HEADS, OutT, EpiT, AccT, kSplit>(acc, LaneWeights<N>{reinterpret_cast<const float4*>(wbuf)},
-                                                            empty0 + 8 * s, sc0, sc1, m, out, out_stride, warp, g,
-                                                            tig);
+      tma_epilogue<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, LaneWeights<N>{reinterpret_cast<const float4*>(wbuf)},
+                                                    empty0 + 8 * s, sc0, sc1, m, out, out_stride, warp, g, tig);
     }
   };
   // Waits for tile i and returns its descriptor (m.x >= batch: padding, already released).

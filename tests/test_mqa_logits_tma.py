@@ -38,7 +38,7 @@ SHIPPED_N = sorted({nn * h for nn in (1, 2, 3, 4) for h in (32, 64)})
 @pytest.mark.parametrize("dim", TMA_DIMS)
 @pytest.mark.parametrize("n", [8, *SHIPPED_N, 256])
 def test_configs_fit(n, dim):
-    warpgroups, stages, producers, qbuf, _, probe = tma_config(n, 0, dim)
+    warpgroups, stages, producers, qbuf, probe = tma_config(n, 0, dim)
     assert probe == 0
     assert stages % warpgroups == 0 and stages % producers == 0 and stages >= 2 * warpgroups
     assert tma_smem_bytes(n, dim, warpgroups, stages, qbuf) + STATIC_SMEM <= SMEM_LIMIT
@@ -58,16 +58,6 @@ def test_cubin_uses_tma_and_wgmma_without_spills(next_n, heads, block, tmp_path)
 def test_other_head_dims_compile_to_tma_and_wgmma(dim, block, tmp_path):
     f32 = torch.float32
     _check_tma_cubin((2, 64, dim, block, f32, f32, f32, *tma_config(128, 0, dim)), tmp_path)
-
-
-@pytest.mark.parametrize("next_n,heads,dim", [(2, 64, 128), (1, 64, 32), (3, 64, 128)])
-def test_split_mma_compiles_to_two_halves(next_n, heads, dim, tmp_path):
-    """TmaConfig.split: two commit groups of N/2-column wgmmas, waited for one by one."""
-    f32 = torch.float32
-    config = tma_config(next_n * heads, 0, dim)._replace(split=1)
-    sass = _check_tma_cubin((next_n, heads, dim, 64, f32, f32, f32, *config), tmp_path)
-    assert f"QGMMA.64x{next_n * heads // 2}x32" in sass
-    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
 
 
 def _check_tma_cubin(params, tmp_path):
@@ -209,7 +199,6 @@ TMA_VARIANTS = {
     "tma_2x4p2q1": TmaConfig(2, 4, 2, 1),  # two producer warps, one Q buffer
     "tma_3x6p3q1": TmaConfig(3, 6, 3, 1),  # three warpgroups, one Q buffer
     "tma_4x16p2": TmaConfig(4, 16, 2, 2),  # where next_n*heads fits 4 warpgroups
-    "tma_4x8split": TmaConfig(4, 8, 4, 2, split=1),  # the MMA in two column halves
 }
 
 
@@ -244,8 +233,6 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
         pytest.skip("4 warpgroups fit next_n*heads <= 64 only")
     if tma_variant == "tma_3x6p3q1" and next_n * heads > 192:
         pytest.skip("3 warpgroups fit next_n*heads <= 192 only")
-    if tma_variant == "tma_4x8split" and (next_n * heads > 128 or next_n * heads % 16):
-        pytest.skip("the split needs next_n*heads % 16 == 0; 4 warpgroups fit <= 128")
     mq._plans.clear()
     mq._replays.clear()
     lens = EDGE_LENS + [next_n - 1, 1000, 64 * 7, 3 * block_size]
@@ -257,9 +244,7 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "tma_variant",
-    ["auto", "large", "tma_1x3", "tma_2x4p2q1", "tma_4x16p2", "tma_4x8split"],
-    indirect=True,
+    "tma_variant", ["auto", "large", "tma_1x3", "tma_2x4p2q1", "tma_4x16p2"], indirect=True
 )
 @pytest.mark.parametrize(
     "dim,next_n,heads,block_size",
@@ -270,8 +255,6 @@ def test_gpu_tma_other_head_dims(tma_variant, dim, next_n, heads, block_size):
     """Column panels in the 32/64-byte swizzles, and two 128-byte panels at head_dim 256."""
     if tma_variant == "tma_4x16p2" and (next_n * heads > 64 or dim > 64):
         pytest.skip("4 warpgroups x 16 stages fit next_n*heads <= 64 at head_dim <= 64 only")
-    if tma_variant == "tma_4x8split" and dim > 128:
-        pytest.skip("4 warpgroups x 8 stages fit head_dim <= 128 only")
     mq._plans.clear()
     mq._replays.clear()
     lens = EDGE_LENS + [next_n - 1, 1000, 64 * 7, 3 * block_size]

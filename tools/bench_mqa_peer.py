@@ -38,8 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_util import warm_gpu  # noqa: E402
 
 import flashinfer_jit.mqa_logits as mq  # noqa: E402
-from flashinfer_jit.mqa_logits_tma import TmaConfig, small_work, tma_config  # noqa: E402
-from jit_kernels import sm_count  # noqa: E402
+from flashinfer_jit.mqa_logits_tma import TmaConfig  # noqa: E402
 
 BW = 4.24e12  # measured device-to-device copy bandwidth, bytes/s
 SET_BYTES = 240e6  # 4x the 60 MiB L2
@@ -78,15 +77,11 @@ ROWS = [
     Row("blk128", 256, 1, 64, 8192, block=128),
 ]
 # --sweep: forced TMA configs (warpgroups, stages, producer warps, Q buffers) per row;
-# "l2_256": the dispatcher's config with the KV tensor map's L2 promotion at 256 bytes;
-# "split": the dispatcher's config with the MMA split in two column halves (TmaConfig.split).
-SWEEPS = {
-    name: ["split"]
-    for name in (
-        "b32", "b256", "b256n2", "b64L64k", "b64L64kn2", "b256h32n2", "b128n4h32", "b128n3",
-        "d64", "d64n2", "d32", "skew128n2", "b1024",
-    )
-}  # fmt: skip
+# "l2_256": the dispatcher's config with the KV tensor map's L2 promotion at 256 bytes.
+SWEEPS: dict[str, list] = {
+    "d64": [TmaConfig(3, 18, 3, 2)],
+    "d32": [TmaConfig(3, 36, 3, 2)],
+}
 
 
 def deepgemm_supports(row: Row) -> bool:
@@ -262,11 +257,6 @@ def run_row(row: Row, dg, reps: int, sweep: bool, gen: torch.Generator) -> dict:
     for config in SWEEPS.get(row.name, []) if sweep else []:
         if config == "l2_256":
             sides[config] = lambda s: ours(s, promotion=256)
-            continue
-        if config == "split":
-            small = small_work(row.batch, row.long or row.length, sm_count(0))
-            split = tma_config(row.next_n * row.heads, small, row.dim)._replace(split=1)
-            sides[config] = lambda s, c=split: ours(s, c)
             continue
         name = f"tma{config.warpgroups}x{config.stages}p{config.producers}q{config.qbuf}"
         sides[name] = lambda s, c=config: ours(s, c)
