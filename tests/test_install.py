@@ -53,8 +53,11 @@ def test_wheel_requires_no_compiler(wheel):
 
 
 def _dry_run(*targets: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """pip's resolution as in a fresh environment: --ignore-installed, so what this
+    environment already holds (the package itself, under CI) is resolved and reported too."""
     report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "-q", "--report", str(report)]
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q"]
+    cmd += ["--report", str(report)]
     return subprocess.run([*cmd, *targets], capture_output=True, text=True, timeout=300)
 
 
