@@ -1,199 +1,171 @@
-"""The ``flashinfer-jit`` command: prebuild kernels, inspect the cache, report the setup."""
+"""The ``flashinfer-jit`` command: prebuild kernels, inspect the cache, report the setup.
+
+Every user error (a bad argument, environment variable or workloads file, a cache folder
+that cannot be trusted) is one line on stderr and exit status 2, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-from jit_kernels import CubinCache, target_archs
-from jit_kernels.prebuild import BuildTask, build_all, build_native
+from jit_kernels import InsecureCacheError, target_archs
+from jit_kernels.prebuild import BuildResult, BuildTask, build_all, build_native, prebuild_cache
 
-from ._jit import BUILDER, TEMPLATE_ROOT
+from . import workload_format
+from ._jit import TEMPLATE_ROOT
 from ._version import __version__
+from .cli_cache import cmd_cache
+from .cli_common import CliError, table
+from .cli_env import cmd_env
 from .registry import OPS
+from .workload_format import WorkloadError
+
+USAGE_ERROR = 2
 
 
-def _split(text: str | None) -> list[str]:
-    return [s.strip() for s in (text or "").split(",") if s.strip()]
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print the usage too
+        raise CliError(message)
 
 
-def _tasks(ops: list[str], archs: tuple[str, ...], workload_file: str | None) -> list[BuildTask]:
-    override: dict[str, dict] = {}
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _ops(text: str | None) -> list[str] | None:
+    """The ops --ops names (None: not given)."""
+    if text is None:
+        return None
+    ops = [s.strip() for s in text.split(",") if s.strip()]
+    if not ops:
+        raise CliError(f"--ops {text!r} names no op; choose from {','.join(OPS)}")
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        raise CliError(f"--ops: unknown op(s) {','.join(unknown)}; choose from {','.join(OPS)}")
+    return list(dict.fromkeys(ops))
+
+
+def _archs(text: str | None) -> tuple[str, ...]:
+    try:
+        return target_archs(text)
+    except ValueError as exc:
+        raise CliError(f"--arch: {exc}" if text is not None else str(exc)) from None
+
+
+def _tasks(
+    ops: list[str] | None, archs: tuple[str, ...], workload_file: str | None
+) -> list[BuildTask]:
+    workloads = {name: op.load_workloads() for name, op in OPS.items()}
     if workload_file:
-        data = json.loads(Path(workload_file).read_text())
-        if data.get("op") not in OPS:
-            raise SystemExit(f'{workload_file}: needs an "op" key naming one of {sorted(OPS)}')
-        override[data["op"]] = data
-        ops = [data["op"]] if not ops else ops
+        data = workload_format.load(Path(workload_file), OPS)
+        if ops is not None and data["op"] not in ops:
+            raise CliError(f"--workloads {workload_file} is for {data['op']}, not --ops {ops}")
+        workloads[data["op"]] = data
+        ops = ops or [data["op"]]
     tasks = []
-    for name in ops:
+    for name in ops or list(OPS):
         op = OPS[name]
-        workloads = override[name] if name in override else op.load_workloads()
-        for spec in op.prebuild_specs(workloads, op.default.options):
+        for spec in op.prebuild_specs(workloads[name], op.default.options):
             tasks += [BuildTask(name, spec, arch) for arch in archs if spec.supports(arch)]
     return tasks
 
 
-def _table(header: list[str], rows: list[list]) -> str:
-    cells = [header, *[[str(c) for c in row] for row in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+def _output(text: str | None) -> Path | None:
+    if text is None:
+        return None
+    output = Path(text).resolve()
+    if output.exists() and not output.is_dir():
+        raise CliError(f"--output {output} exists and is not a folder")
+    return output
 
 
-def cmd_prebuild(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    ops = _split(args.ops) or ([] if args.workloads else list(OPS))
-    unknown = [op for op in ops if op not in OPS]
-    if unknown:
-        raise SystemExit(f"unknown op(s) {unknown}; choose from {sorted(OPS)}")
-    archs = target_archs(args.arch)
-    tasks = _tasks(ops, archs, args.workloads)
-    output = Path(args.output).resolve() if args.output else None
-    where = output or BUILDER.cache.root
-    print(
-        f"prebuilding {len(tasks)} kernels for {', '.join(archs)} into {where} with {args.jobs} workers"
-    )
+def _summarize(results: list[BuildResult]) -> int:
+    """Print the per-op, per-arch table and one line per cause of failure; the failures."""
     stats: dict[tuple[str, str], dict] = defaultdict(
         lambda: {"kernels": 0, "compiled": 0, "cached": 0, "failed": 0, "seconds": 0.0}
     )
-    failures = []
-    results = build_all(tasks, TEMPLATE_ROOT, __version__, args.jobs, output)
-    # Outside a terminal (CI logs) the bar redraws rarely instead of on every kernel.
-    refresh = 0.1 if sys.stderr.isatty() else 30.0
-    for result in tqdm(
-        results, total=len(tasks), unit="kernel", file=sys.stderr, mininterval=refresh
-    ):
+    causes: dict[str, list[BuildResult]] = defaultdict(list)
+    for result in results:
         row = stats[(result.task.group, result.task.arch)]
         row["kernels"] += 1
         row[result.status] += 1
         row["seconds"] += result.seconds
         if result.status == "failed":
-            failures.append(result)
-    for failure in failures:
-        print(
-            f"FAILED {failure.task.spec.label} {failure.task.arch}: {failure.error}",
-            file=sys.stderr,
-        )
+            causes[result.cause or result.error].append(result)
     rows = [
         [op, arch, s["kernels"], s["compiled"], s["cached"], s["failed"], f"{s['seconds']:.1f}"]
         for (op, arch), s in sorted(stats.items())
     ]
-    print(_table(["op", "arch", "kernels", "compiled", "cached", "failed", "seconds"], rows))
+    print(table(["op", "arch", "kernels", "compiled", "cached", "failed", "seconds"], rows))
+    for cause, failed in causes.items():
+        first = failed[0].task
+        more = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
+        print(
+            f"FAILED {len(failed)} kernel(s) ({first.spec.label} {first.arch}{more}): {cause}",
+            file=sys.stderr,
+        )
+    return sum(len(failed) for failed in causes.values())
+
+
+def cmd_prebuild(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    ops = _ops(args.ops)
+    archs = _archs(args.arch)
+    tasks = _tasks(ops, archs, args.workloads)
+    output = _output(args.output)
+    cache = prebuild_cache(__version__, output)
+    cache.check_trusted()  # a folder others can write to is refused before the first write
+    print(
+        f"prebuilding {len(tasks)} kernels for {', '.join(archs)} into {cache.root} "
+        f"with {args.jobs} workers"
+    )
+    # Outside a terminal (CI logs) the bar redraws rarely instead of on every kernel.
+    refresh = 0.1 if sys.stderr.isatty() else 30.0
+    results = list(
+        tqdm(
+            build_all(tasks, TEMPLATE_ROOT, __version__, args.jobs, output),
+            total=len(tasks),
+            unit="kernel",
+            file=sys.stderr,
+            mininterval=refresh,
+        )
+    )
+    failed = _summarize(results)
     status, detail = build_native(output)  # optional: a failure is reported, not fatal
     print(f"native launcher: {status} ({detail})", file=sys.stderr if status == "failed" else None)
-    return 1 if failures else 0
+    stored = len(results) - failed
+    print(f"{stored} of {len(results)} kernels stored in {cache.root}, {failed} failed")
+    return 1 if failed else 0
 
 
-def _caches() -> list[tuple[str, CubinCache]]:
-    cache = BUILDER.cache
-    return [("cache", cache)] + [
-        ("prebuilt", CubinCache(root, [], __version__)) for root in cache.prebuilt
-    ]
-
-
-def cmd_cache(args: argparse.Namespace) -> int:
-    cache = BUILDER.cache
-    if args.action == "path":
-        print(cache.root)
-        for root in cache.prebuilt:
-            print(f"{root} (prebuilt, read-only)")
-        return 0
-    if args.action == "clear":
-        targets = sorted(cache.root.glob(f"*/{args.arch}")) if args.arch else [cache.root]
-        for target in targets:
-            shutil.rmtree(target, ignore_errors=True)
-            print(f"removed {target}")
-        return 0
-    bad = 0
-    rows = []
-    for kind, each in _caches():
-        for entry in each.entries():
-            problem = CubinCache.verify(entry) if args.action == "verify" else None
-            bad += problem is not None
-            meta = entry.meta
-            rows.append(
-                [
-                    kind,
-                    meta.get("arch", "?"),
-                    meta.get("label", entry.cubin_path.stem),
-                    meta.get("size", "?"),
-                    problem or "ok" if args.action == "verify" else meta.get("created", "?"),
-                    entry.cubin_path,
-                ]
-            )
-    last = "status" if args.action == "verify" else "created"
-    print(_table(["where", "arch", "kernel", "bytes", last, "path"], rows))
-    print(f"{len(rows)} entries" + (f", {bad} bad" if args.action == "verify" else ""))
-    return 1 if bad else 0
-
-
-def cmd_env(args: argparse.Namespace) -> int:
-    from importlib.metadata import PackageNotFoundError, version
-
-    import torch
-
-    from jit_kernels import device_arch, nvrtc_version
-
-    def pkg(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
-
-    try:
-        nvrtc = nvrtc_version()
-    except Exception as exc:  # no NVRTC library is a state to report, not a crash
-        nvrtc = f"unavailable ({exc})"
-    print(f"flashinfer-jit      {__version__}")
-    print(f"python              {sys.version.split()[0]}")
-    print(f"torch               {torch.__version__} (CUDA {torch.version.cuda})")
-    print(f"cuda-python         {pkg('cuda-python')} (cuda-bindings {pkg('cuda-bindings')})")
-    print(f"nvrtc               {nvrtc}")
-    print(f"nvidia-cutlass-dsl  {pkg('nvidia-cutlass-dsl')}")
-    from jit_kernels.compile import cute_dsl_refusal
-
-    print(f"cake kernels        {cute_dsl_refusal() or 'compiled here'}")
-    # The NVRTC extra should follow torch's CUDA major (README, "Install: the extras").
-    torch_major, nvrtc_major = (torch.version.cuda or "").split(".")[0], nvrtc.split(".")[0]
-    if torch_major and nvrtc_major.isdigit() and nvrtc_major != torch_major:
-        print(
-            f"warning             NVRTC {nvrtc} beside torch for CUDA {torch.version.cuda}: "
-            f"pip install 'flashinfer-jit[cu{torch_major}]'"
-        )
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    for i in range(gpus):
-        print(f"gpu {i}               {torch.cuda.get_device_name(i)} ({device_arch(i)})")
-    if not gpus:
-        print("gpus                none")
-    print(f"target archs        {', '.join(target_archs())}")
-    print(f"cache dir           {BUILDER.cache.root}")
-    print(f"prebuilt dirs       {os.pathsep.join(map(str, BUILDER.cache.prebuilt)) or '-'}")
-    print(f"templates           {TEMPLATE_ROOT}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flashinfer-jit", description=__doc__)
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="flashinfer-jit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prebuild", help="compile the shipped workloads' kernels")
     p.add_argument(
-        "--arch", help="comma-separated archs (default: the GPUs', else sm_90a,sm_100a,sm_103a)"
+        "--arch",
+        help="archs, e.g. sm_90a,sm_100a or '9.0a 10.0a' "
+        "(default: $FLASHINFER_JIT_ARCHS, else the GPUs', else sm_90a,sm_100a,sm_103a)",
     )
     p.add_argument("--ops", help=f"comma-separated ops among {','.join(OPS)} (default: all)")
     p.add_argument(
-        "--workloads",
-        help='a workload JSON file (with an "op" key) to use instead of the shipped one',
+        "--workloads", help="a workloads file (README: 'Workloads files') to use for its op"
     )
-    p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    p.add_argument(
+        "-j", "--jobs", type=_positive_int, default=os.cpu_count() or 1, help="worker processes"
+    )
     p.add_argument(
         "--output", help="write a relocatable bundle here (for FLASHINFER_JIT_CUBIN_PATH)"
     )
@@ -201,14 +173,25 @@ def main(argv: list[str] | None = None) -> int:
 
     c = sub.add_parser("cache", help="inspect or clear the cubin cache")
     c.add_argument("action", choices=["path", "list", "verify", "clear"])
-    c.add_argument("--arch", help="with clear: only this arch")
+    c.add_argument("--arch", help="with clear: only these archs (e.g. sm_90a,sm_100a)")
     c.set_defaults(func=cmd_cache)
 
-    e = sub.add_parser("env", help="versions, GPUs and cache directories")
+    e = sub.add_parser("env", help="versions, variables, archs, GPUs and the cache")
+    e.add_argument("--json", action="store_true", help="one JSON object, for machines")
     e.set_defaults(func=cmd_env)
+    return parser
 
-    args = parser.parse_args(argv)
-    return args.func(args)
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        return args.func(args)
+    except (CliError, WorkloadError, InsecureCacheError, ValueError) as exc:
+        print(f"flashinfer-jit: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        print("flashinfer-jit: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import json
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,6 +35,9 @@ from torch.compiler import is_compiling as _is_compiling  # one global, not two 
 
 from jit_kernels import KernelSpec, KernelUnavailable, fall_back, kernels_disabled
 from jit_kernels.plan_cache import PlanCache, absent
+
+from . import workload_format
+from .workload_format import Fields
 
 REQUIRED = object()  # a ScalarArg without a default
 
@@ -108,6 +110,7 @@ class Op(Generic[PlanT, OptionsT]):
     log_name: ClassVar[str]  # what fallbacks are reported as
     custom_op: ClassVar[str]  # torch.ops.flashinfer_jit.<custom_op>
     workloads: ClassVar[Path]  # the shipped workloads (the op package's workloads.json)
+    workload_fields: ClassVar[Fields]  # the fields of its workloads files, with their rules
     args: ClassVar[tuple[Arg, ...]]
     options_type: ClassVar[type[Options]] = Options
 
@@ -147,8 +150,12 @@ class Op(Generic[PlanT, OptionsT]):
         raise NotImplementedError
 
     # -- shared ----------------------------------------------------------------------------
+    def check_workloads(self, data: dict, where: str) -> None:
+        """Rules across a workloads file's fields, beyond each field's own (WorkloadError)."""
+
     def load_workloads(self) -> dict:
-        return json.loads(self.workloads.read_text())
+        """The shipped workloads, validated (workload_format)."""
+        return workload_format.load(self.workloads, {self.name: self})
 
     def runner(self, options: OptionsT) -> Runner[PlanT, OptionsT]:
         """The call path with ``options`` (one per distinct options, each with its own

@@ -4,6 +4,7 @@ The engine knows no op: ops describe kernel families (a template and its paramet
 and call ``KernelFamily.get(params, device).launch(...)``.
 """
 
+from . import cache_admin
 from .arch import (
     DEFAULT_OFFLINE_ARCHS,
     arch_for_capability,
@@ -16,7 +17,13 @@ from .arch import (
     target_archs,
 )
 from .build import KernelBuilder
-from .cache import CubinCache, InsecureCacheError, default_cache_root, prebuilt_roots
+from .cache import (
+    CacheWriteError,
+    CubinCache,
+    InsecureCacheError,
+    default_cache_root,
+    prebuilt_roots,
+)
 from .compile import CompiledKernel, CompileError, compile_cubin, nvrtc_version
 from .dispatch import FallbackError, fall_back, kernels_disabled, validate_inputs
 from .family import KernelFamily, KernelUnavailable
@@ -38,6 +45,7 @@ __all__ = [
     "Signature",
     "struct",
     "ArgPacker",
+    "CacheWriteError",
     "CompileError",
     "CompiledKernel",
     "CubinCache",
@@ -51,6 +59,7 @@ __all__ = [
     "LoadedKernel",
     "RenderedSource",
     "arch_for_capability",
+    "cache_admin",
     "capability",
     "compile_cubin",
     "current_stream",

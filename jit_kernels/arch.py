@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import torch
 
@@ -68,22 +69,46 @@ def device_arch(device: int | torch.device) -> str:
     return arch_for_capability(*capability(torch.cuda.current_device() if index is None else index))
 
 
+# "sm_90a" (the package's names) or torch's "9.0a" (TORCH_CUDA_ARCH_LIST): a compute
+# capability major.minor with an optional "a" (arch-specific) or "f" (family) suffix.
+_ARCH_NAME = re.compile(r"sm_(\d{1,2})(\d)([af]?)")
+_TORCH_ARCH = re.compile(r"(\d{1,2})\.(\d)([af]?)")
+
+
+def parse_arch(text: str) -> str:
+    """One arch as the package names it: ``sm_90a`` or torch's ``9.0a`` -> ``sm_90a``.
+
+    ValueError for anything else (``sm90a``, ``sm_xx``, ``9.0+PTX``: this package builds
+    no PTX, so a "+PTX" would silently mean something else)."""
+    match = _ARCH_NAME.fullmatch(text) or _TORCH_ARCH.fullmatch(text)
+    if match is None or int(match.group(1)) < 5:
+        raise ValueError(
+            f"bad arch {text!r}: expected a name like sm_90a or sm_100a, or torch's 9.0a / 10.0a"
+        )
+    major, minor, suffix = match.groups()
+    return f"sm_{int(major)}{minor}{suffix}"
+
+
 def parse_arch_list(text: str) -> tuple[str, ...]:
-    archs = tuple(a.strip() for a in text.replace(";", ",").split(",") if a.strip())
-    for arch in archs:
-        digits = arch.removeprefix("sm_").rstrip("af")
-        if not arch.startswith("sm_") or not digits.isdigit():
-            raise ValueError(f"bad arch {arch!r}: expected names like sm_90a, sm_100a")
-    return archs
+    """Archs separated by commas, semicolons or spaces, in order, without repeats.
+    ValueError when one is malformed or the list names none."""
+    archs = [parse_arch(a) for a in re.split(r"[,;\s]+", text) if a]
+    if not archs:
+        raise ValueError(f"no arch in {text!r}: expected e.g. sm_90a,sm_100a or '9.0a 10.0a'")
+    return tuple(dict.fromkeys(archs))
 
 
 def target_archs(explicit: str | None = None) -> tuple[str, ...]:
     """Archs to build for: explicit list, else $FLASHINFER_JIT_ARCHS, else the
     visible GPUs' archs, else the offline default (sm_90a, sm_100a, sm_103a)."""
-    if explicit:
+    if explicit is not None:
         return parse_arch_list(explicit)
-    if os.environ.get(ARCH_ENV):
-        return parse_arch_list(os.environ[ARCH_ENV])
+    env = os.environ.get(ARCH_ENV)
+    if env is not None and env != "":
+        try:
+            return parse_arch_list(env)
+        except ValueError as exc:
+            raise ValueError(f"{ARCH_ENV}={env!r}: {exc}") from None
     if torch.cuda.is_available():
         return tuple(sorted({device_arch(i) for i in range(torch.cuda.device_count())}))
     return DEFAULT_OFFLINE_ARCHS

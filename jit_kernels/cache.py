@@ -12,26 +12,42 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import filelock
 import platformdirs
 
+from .cache_record import (
+    CACHE_DIR_ENV,
+    CorruptEntry,
+    InsecureCacheError,
+    binding_problem,
+    check_existing_folders,
+    check_owner_and_mode,
+    cubin_problem,
+    read_record,
+    remove_squatter,
+)
 from .compile import CompiledKernel
 
 log = logging.getLogger("flashinfer_jit.jit")
 
-CACHE_DIR_ENV = "FLASHINFER_JIT_CACHE_DIR"
 CUBIN_PATH_ENV = "FLASHINFER_JIT_CUBIN_PATH"
 LOCK_TIMEOUT_S = 600.0
+__all__ = ["CACHE_DIR_ENV", "CacheWriteError", "CubinCache", "InsecureCacheError"]
 
 
-class InsecureCacheError(RuntimeError):
-    """A cache directory other users can write to: its cubins cannot be trusted."""
+class CacheWriteError(RuntimeError):
+    """An entry could not be stored (only raised by a cache made with ``require_store``).
+
+    ``cause`` says why without naming the entry, so callers can group failures by it."""
+
+    def __init__(self, cause: str):
+        super().__init__(cause)
+        self.cause = cause
 
 
 def default_cache_root() -> Path:
@@ -53,60 +69,65 @@ class CacheEntry:
         return self.cubin_path.with_suffix(".json")
 
 
-def _check_owner_and_mode(path: Path) -> None:
-    st = path.stat()
-    if st.st_mode & stat.S_IWOTH and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
-        raise InsecureCacheError(
-            f"refusing to load cubins from {path}: it is writable by other users "
-            f"(mode {stat.filemode(st.st_mode)}); a cubin is executable code. "
-            f"Run `chmod o-w {path}` or point {CACHE_DIR_ENV} elsewhere."
-        )
-    if st.st_uid not in (os.getuid(), 0):
-        raise InsecureCacheError(
-            f"refusing to load cubins from {path}: it is owned by uid {st.st_uid}, "
-            f"neither you nor root; a cubin is executable code."
-        )
-
-
 class CubinCache:
-    """A writable root plus read-only prebuilt roots searched first."""
+    """A writable root plus read-only prebuilt roots searched first.
 
-    def __init__(self, root: Path, prebuilt: list[Path] | None = None, version: str = ""):
+    ``require_store``: failing to store an entry raises CacheWriteError instead of
+    compiling in memory (``prebuild`` wants every kernel on disk or an error).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        prebuilt: list[Path] | None = None,
+        version: str = "",
+        require_store: bool = False,
+    ):
         self.root = root
         self.prebuilt = prebuilt or []
         self.version = version
+        self.require_store = require_store
         self._writable: bool | None = None
 
     def _relative(self, arch: str, family: str, key: str) -> Path:
         return Path(self.version, arch, family, f"{key}.cubin")
 
     # -- reading ---------------------------------------------------------------------
-    def _load_from(self, root: Path, rel: Path) -> CompiledKernel | None:
+    def _expected(self, rel: Path, label: str | None) -> dict[str, str]:
+        """What the record of the entry at ``rel`` must say (its folders and file name)."""
+        version, arch, family = rel.parent.parts
+        expected = {"key": rel.stem, "family": family, "arch": arch, "version": version}
+        return expected if label is None else {**expected, "label": label}
+
+    def _load_from(self, root: Path, rel: Path, label: str | None = None) -> CompiledKernel | None:
         cubin_path = root / rel
         meta_path = cubin_path.with_suffix(".json")
-        if not meta_path.exists():
+        if not meta_path.exists() and not meta_path.is_symlink():
             return None
-        folder = root
-        _check_owner_and_mode(folder)
-        for part in rel.parent.parts:
-            folder = folder / part
-            _check_owner_and_mode(folder)
+        check_existing_folders(root, rel.parent)
         try:
-            _check_owner_and_mode(cubin_path)
-            meta = json.loads(meta_path.read_text())
-            data = cubin_path.read_bytes()
-        except (OSError, ValueError) as exc:
-            log.warning("cache entry %s unreadable (%s); rebuilding", cubin_path, exc)
+            record = read_record(meta_path)
+            problem = binding_problem(record, self._expected(rel, label))
+            if problem is None:
+                check_owner_and_mode(cubin_path)
+                data = cubin_path.read_bytes()
+                problem = cubin_problem(record, data)
+        except (OSError, CorruptEntry) as exc:
+            problem = str(exc)
+        if problem is not None:
+            log.warning(
+                "cache entry %s is corrupt or truncated (%s); rebuilding", cubin_path, problem
+            )
             return None
-        if len(data) != meta.get("size") or hashlib.sha256(data).hexdigest() != meta.get("sha256"):
-            log.warning("cache entry %s is corrupt or truncated; rebuilding", cubin_path)
-            return None
-        return CompiledKernel(data, meta["entry"], 0.0)
+        return CompiledKernel(data, record["entry"], 0.0)
 
-    def lookup(self, arch: str, family: str, key: str) -> CompiledKernel | None:
+    def lookup(
+        self, arch: str, family: str, key: str, label: str | None = None
+    ) -> CompiledKernel | None:
+        """The entry for ``key`` whose record binds it (and ``label``, when given)."""
         rel = self._relative(arch, family, key)
         for root in [*self.prebuilt, self.root]:
-            found = self._load_from(root, rel)
+            found = self._load_from(root, rel, label)
             if found is not None:
                 log.debug("cache hit %s in %s", rel, root)
                 return found
@@ -114,40 +135,70 @@ class CubinCache:
         return None
 
     # -- writing ---------------------------------------------------------------------
-    def _warn_unwritable(self, exc: OSError) -> None:
+    def _cannot_store(self, exc: OSError) -> None:
+        """Raise (require_store) or warn once and go on in memory."""
+        if self.require_store:
+            reason = exc.strerror or str(exc)
+            raise CacheWriteError(f"cannot write the cache {self.root}: {reason}") from exc
         if self._writable is not False:
             log.warning(
                 "cubin cache %s is not writable (%s); compiling in memory only", self.root, exc
             )
         self._writable = False
 
+    def check_trusted(self) -> None:
+        """InsecureCacheError where the root (or its version folder) exists and other users
+        can write to it: checked before the first write, not only when reading back."""
+        check_existing_folders(self.root, Path(self.version))
+
+    def _lock(self, cubin_path: Path) -> filelock.FileLock:
+        # A folder that cannot be written (read-only or immutable) must fail here, at once:
+        # filelock retries some open() errors until its timeout (600 s) instead of raising.
+        fd, probe = tempfile.mkstemp(dir=cubin_path.parent, prefix=".probe.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+        lock_path = cubin_path.with_suffix(".lock")
+        if remove_squatter(lock_path):
+            log.warning("removed a folder or link in place of the lock file %s", lock_path)
+        lock = filelock.FileLock(str(lock_path), timeout=LOCK_TIMEOUT_S)
+        lock.acquire()
+        return lock
+
     def get_or_build(
-        self, arch: str, family: str, key: str, meta: dict, build: Callable[[], CompiledKernel]
+        self,
+        arch: str,
+        family: str,
+        key: str,
+        meta: dict,
+        build: Callable[[], CompiledKernel],
     ) -> tuple[CompiledKernel, bool]:
         """Return (kernel, was_built). One process builds a key; the rest wait and reuse."""
-        found = self.lookup(arch, family, key)
+        label = meta.get("label")
+        found = self.lookup(arch, family, key, label)
         if found is not None:
             return found, False
         if self._writable is False:
             return build(), True
-        cubin_path = self.root / self._relative(arch, family, key)
+        rel = self._relative(arch, family, key)
+        cubin_path = self.root / rel
         try:
+            check_existing_folders(self.root, rel.parent)
             cubin_path.parent.mkdir(parents=True, exist_ok=True)
-            lock = filelock.FileLock(str(cubin_path.with_suffix(".lock")), timeout=LOCK_TIMEOUT_S)
-            lock.acquire()
+            check_existing_folders(self.root, rel.parent)  # as created (umask)
+            lock = self._lock(cubin_path)
         except OSError as exc:
-            self._warn_unwritable(exc)
+            self._cannot_store(exc)
             return build(), True
         try:
             # Another process may have finished this key while we waited for the lock.
-            found = self._load_from(self.root, self._relative(arch, family, key))
+            found = self._load_from(self.root, rel, label)
             if found is not None:
                 return found, False
             kernel = build()
             try:
                 self._store(cubin_path, kernel, meta)
             except OSError as exc:
-                self._warn_unwritable(exc)
+                self._cannot_store(exc)
             return kernel, True
         finally:
             lock.release()
@@ -161,32 +212,13 @@ class CubinCache:
             "compile_seconds": round(kernel.seconds, 4),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
+        meta_path = cubin_path.with_suffix(".json")
+        for path in (cubin_path, meta_path):
+            if remove_squatter(path):  # os.replace cannot write over a folder
+                log.warning("removed a folder or link in place of the cache file %s", path)
         # The cubin lands first and the record last: a record always names a whole cubin.
         _atomic_write(cubin_path, kernel.cubin)
-        _atomic_write(cubin_path.with_suffix(".json"), json.dumps(record, indent=1).encode())
-
-    # -- maintenance (CLI) -----------------------------------------------------------
-    def entries(self, root: Path | None = None) -> Iterator[CacheEntry]:
-        base = (root or self.root) / self.version
-        for meta_path in sorted(base.glob("*/*/*.json")):
-            try:
-                meta = json.loads(meta_path.read_text())
-            except (OSError, ValueError):
-                meta = {}
-            yield CacheEntry(meta_path.with_suffix(".cubin"), meta)
-
-    @staticmethod
-    def verify(entry: CacheEntry) -> str | None:
-        """None when the entry is intact, else what is wrong with it."""
-        try:
-            data = entry.cubin_path.read_bytes()
-        except OSError as exc:
-            return f"unreadable cubin ({exc})"
-        if len(data) != entry.meta.get("size"):
-            return f"size {len(data)} != recorded {entry.meta.get('size')}"
-        if hashlib.sha256(data).hexdigest() != entry.meta.get("sha256"):
-            return "sha256 mismatch"
-        return None
+        _atomic_write(meta_path, json.dumps(record, indent=1).encode())
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from .arch import device_arch
 from .build import KernelBuilder
+from .compile import CompiledKernel
 from .launch import ArgPacker, LaunchError, LoadedKernel, driver_mismatch
 from .params import Param, codes
 from .spec import KernelSpec, ParamValue
@@ -26,6 +27,12 @@ class KernelFamily:
     is loaded on that device. ``params`` are the template arguments in ``param_names``
     order. The kernel's parameter list ``signature`` (typed, ``jit_kernels.params``) is
     shared by every specialization.
+
+    A refusal (KernelUnavailable: no compiler, not prebuilt with JIT disabled, an arch
+    the template does not support) is remembered per (params, device) for the process, so
+    a caller that falls back on it (``auto`` backends) pays a dict lookup per call, not a
+    cache search or a compiler import. It is forgotten when what caused it changes: the
+    ``FLASHINFER_JIT_DISABLE`` switch or the builder's cache (its roots).
     """
 
     def __init__(
@@ -49,9 +56,8 @@ class KernelFamily:
             raise TypeError(f"{family}: declare the signature with jit_kernels.params types")
         self.packer = ArgPacker(codes(self.signature))
         self._loaded: dict[tuple[tuple[ParamValue, ...], int], LoadedKernel] = {}
-        # Why a specialization could not be had for good (no compiler, a cubin the driver
-        # rejects): later calls fall back at once instead of retrying (ms per call).
-        self._missing: dict[tuple[tuple[ParamValue, ...], int], str] = {}
+        # (params, device) -> (message, the conditions it was refused under)
+        self._refused: dict[tuple[tuple[ParamValue, ...], int], tuple[str, tuple]] = {}
         self._lock = threading.Lock()
 
     def spec(self, params: tuple[ParamValue, ...]) -> KernelSpec:
@@ -68,19 +74,42 @@ class KernelFamily:
 
     def get(self, params: tuple[ParamValue, ...], device: int) -> LoadedKernel:
         kernel = self._loaded.get((params, device))
-        if kernel is not None:
-            return kernel
-        missing = self._missing.get((params, device))
-        if missing is not None:
-            raise KernelUnavailable(missing)
-        try:
-            return self._load(params, device)
-        except KernelUnavailable as exc:
-            if getattr(exc, "permanent", False):
-                self._missing[(params, device)] = str(exc)
-            raise
+        return kernel if kernel is not None else self._load(params, device)
+
+    def _conditions(self) -> tuple:
+        """What a refusal depends on besides (params, device)."""
+        return (os.environ.get(JIT_DISABLE_ENV) == "1", self.builder.cache)
 
     def _load(self, params: tuple[ParamValue, ...], device: int) -> LoadedKernel:
+        refused = self._refused.get((params, device))
+        if refused is not None and refused[1] == self._conditions():
+            # A new exception each time: re-raising one instance grows its traceback.
+            raise KernelUnavailable(refused[0])
+        try:
+            compiled = self._compiled(params, device)
+        except KernelUnavailable as exc:
+            self._refused[(params, device)] = (str(exc), self._conditions())
+            raise
+        with self._lock:
+            kernel = self._loaded.get((params, device))
+            if kernel is None:
+                kernel = self._loaded_kernel(compiled, params, device)
+                self._loaded[(params, device)] = kernel
+        return kernel
+
+    def _loaded_kernel(self, compiled: CompiledKernel, params, device: int) -> LoadedKernel:
+        """Load ``compiled``; a cubin the driver rejects (one from a newer CUDA than the
+        driver's, say) is a refusal remembered like any other, never a crash."""
+        spec = self.spec(params)
+        try:
+            return LoadedKernel(compiled, device, self.packer, spec.label)
+        except LaunchError as exc:
+            message = f"the driver cannot load {spec.label}: {exc}{driver_mismatch(spec.compiler)}"
+            self._refused[(params, device)] = (message, self._conditions())
+            raise KernelUnavailable(message) from exc
+
+    def _compiled(self, params: tuple[ParamValue, ...], device: int) -> CompiledKernel:
+        """The cubin for ``params`` on ``device``'s arch, or KernelUnavailable."""
         spec = self.spec(params)
         arch = device_arch(device)
         if not spec.supports(arch):
@@ -89,7 +118,7 @@ class KernelFamily:
             )
         if os.environ.get(JIT_DISABLE_ENV) == "1":
             compiled = self.builder.cache.lookup(
-                arch, spec.family, self.builder.cache_key(spec, arch)
+                arch, spec.family, self.builder.cache_key(spec, arch), spec.label
             )
             if compiled is None:
                 raise KernelUnavailable(
@@ -99,21 +128,5 @@ class KernelFamily:
             try:
                 compiled, _ = self.builder.build(spec, arch)
             except ImportError as exc:
-                raise _permanent(f"no compiler for {spec.label}: {exc}") from exc
-        with self._lock:
-            kernel = self._loaded.get((params, device))
-            if kernel is None:
-                try:
-                    kernel = LoadedKernel(compiled, device, self.packer, spec.label)
-                except LaunchError as exc:  # e.g. a cubin from a newer CUDA than the driver's
-                    hint = driver_mismatch(spec.compiler)
-                    raise _permanent(f"the driver cannot load {spec.label}: {exc}{hint}") from exc
-                self._loaded[(params, device)] = kernel
-        return kernel
-
-
-def _permanent(message: str) -> KernelUnavailable:
-    """A KernelUnavailable that holds for the process (the family remembers it)."""
-    exc = KernelUnavailable(message)
-    exc.permanent = True
-    return exc
+                raise KernelUnavailable(f"no compiler for {spec.label}: {exc}") from exc
+        return compiled

@@ -11,12 +11,17 @@ where it exists, else ``cc``) against Python's headers, into
 flags, EXT_SUFFIX names the Python ABI. Prebuilt bundles (FLASHINFER_JIT_CUBIN_PATH,
 ``flashinfer-jit prebuild --output``) are searched first, then the cache, as for cubins;
 one ``filelock`` per file lets concurrent processes build it once, and directories other
-users can write to are refused (a shared object is code).
+users can write to are refused (a shared object is code). A record beside it
+(``<name>.json``: size and sha256) is written last; a launcher that does not match its
+record (truncated, overwritten, a folder in its place) is not loaded: the cache's copy is
+rebuilt, a bundle's is skipped.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shlex
@@ -31,7 +36,8 @@ from types import ModuleType
 
 import filelock
 
-from .cache import LOCK_TIMEOUT_S, _check_owner_and_mode, default_cache_root, prebuilt_roots
+from .cache import LOCK_TIMEOUT_S, default_cache_root, prebuilt_roots
+from .cache_record import check_owner_and_mode, remove_squatter
 from .spec import sha256_hex
 
 log = logging.getLogger("flashinfer_jit.jit")
@@ -66,13 +72,45 @@ def file_name() -> str:
     return f"_launcher-{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
 
 
+def _record_path(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def launcher_problem(path: Path) -> str | None:
+    """None when the launcher at ``path`` matches the record written beside it."""
+    try:
+        record = json.loads(_record_path(path).read_text())
+        data = path.read_bytes()
+    except (OSError, ValueError) as exc:
+        return f"launcher or its record unreadable ({exc})"
+    if not isinstance(record, dict) or record.get("size") != len(data):
+        return "launcher size differs from its record"
+    if record.get("sha256") != hashlib.sha256(data).hexdigest():
+        return "launcher sha256 differs from its record"
+    return None
+
+
+def launchers(root: Path) -> list[Path]:
+    """The launchers under ``root`` (any key and Python ABI), records and locks aside."""
+    folder = root / FOLDER
+    if not folder.is_dir() or folder.is_symlink():
+        return []
+    return sorted(
+        p for p in folder.glob("_launcher-*") if not p.name.endswith((".json", ".lock", ".tmp"))
+    )
+
+
 def _trusted(root: Path, path: Path) -> bool:
-    """Whether ``path`` (``root``/native/name) exists; InsecureCacheError where it, or a
-    folder above it, can be written by other users."""
+    """Whether an intact launcher is at ``path`` (``root``/native/name); InsecureCacheError
+    where it, or a folder above it, can be written by other users."""
     if not path.exists():
         return False
     for checked in (root, root / FOLDER, path):
-        _check_owner_and_mode(checked)
+        check_owner_and_mode(checked)
+    problem = launcher_problem(path)
+    if problem is not None:
+        log.warning("native launcher %s is corrupt (%s)", path, problem)
+        return False
     return True
 
 
@@ -103,11 +141,14 @@ def build(root: Path) -> tuple[Path, bool]:
     """(path, built now) of the launcher under ``root``, compiled unless it is there."""
     folder, name = root / FOLDER, file_name()
     path = folder / name
+    for checked in (root, folder):  # before anything is written, built or loaded there
+        if checked.exists():
+            check_owner_and_mode(checked)
     folder.mkdir(parents=True, exist_ok=True)
-    _check_owner_and_mode(root)
-    _check_owner_and_mode(folder)  # before anything is built or loaded there
+    check_owner_and_mode(folder)
     if _trusted(root, path):
         return path, False
+    remove_squatter(folder / f"{name}.lock")
     with filelock.FileLock(str(folder / f"{name}.lock"), timeout=LOCK_TIMEOUT_S):
         if _trusted(root, path):  # another process built it while we waited
             return path, False
@@ -117,11 +158,23 @@ def build(root: Path) -> tuple[Path, bool]:
         try:
             _compile(Path(temp))
             os.chmod(temp, 0o755)
+            remove_squatter(path)  # os.replace cannot write over a folder
             os.replace(temp, path)
+            data = path.read_bytes()
+            record = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            _write_record(_record_path(path), record)
         finally:
             Path(temp).unlink(missing_ok=True)
     log.info("compiled the native launcher %s in %.2f s", path, time.perf_counter() - start)
     return path, True
+
+
+def _write_record(path: Path, record: dict) -> None:
+    remove_squatter(path)
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+    os.replace(temp, path)
 
 
 def load(path: Path) -> ModuleType:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import multiprocessing
 import os
+import signal
+import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -12,7 +16,7 @@ from pathlib import Path
 
 from . import native
 from .build import KernelBuilder
-from .cache import CubinCache, default_cache_root, prebuilt_roots
+from .cache import CacheWriteError, CubinCache, default_cache_root, prebuilt_roots
 from .spec import KernelSpec
 
 
@@ -29,26 +33,69 @@ class BuildResult:
     status: str  # "compiled", "cached" or "failed"
     seconds: float
     error: str = ""
+    cause: str = ""  # why it failed, without naming the kernel: summaries group by it
 
 
-def _builder(template_root: Path, version: str, output: Path | None) -> KernelBuilder:
+def prebuild_cache(version: str, output: Path | None) -> CubinCache:
+    """The cache ``prebuild`` writes: every kernel must land on disk (require_store)."""
     # A bundle must be self-contained, so it is built without reading other roots.
     if output is not None:
-        cache = CubinCache(output, [], version)
-    else:
-        cache = CubinCache(default_cache_root(), prebuilt_roots(), version)
-    return KernelBuilder(template_root, version, cache)
+        return CubinCache(output, [], version, require_store=True)
+    return CubinCache(default_cache_root(), prebuilt_roots(), version, require_store=True)
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    line = " | ".join(part.strip() for part in text.strip().splitlines() if part.strip())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _run(task: BuildTask, template_root: Path, version: str, output: Path | None) -> BuildResult:
     start = time.perf_counter()
+    builder = KernelBuilder(template_root, version, prebuild_cache(version, output))
     try:
-        _, compiled = _builder(template_root, version, output).build(task.spec, task.arch)
+        _, compiled = builder.build(task.spec, task.arch)
+    except CacheWriteError as exc:  # compiled, but not stored: the same cause for every kernel
+        return BuildResult(task, "failed", time.perf_counter() - start, str(exc), exc.cause)
     except Exception as exc:  # a failed kernel is reported, the others still build
-        return BuildResult(
-            task, "failed", time.perf_counter() - start, f"{type(exc).__name__}: {exc}"
-        )
+        error = f"{type(exc).__name__}: {exc}"
+        return BuildResult(task, "failed", time.perf_counter() - start, error, _one_line(error))
     return BuildResult(task, "compiled" if compiled else "cached", time.perf_counter() - start)
+
+
+def _watch_parent(parent: int) -> None:
+    """Pool initializer: end this worker when the process that started it dies.
+
+    A killed ``prebuild`` would otherwise leave its workers (hundreds of MB each, CuTe
+    DSL loaded) compiling on. Linux delivers SIGKILL on the parent's death (prctl
+    PR_SET_PDEATHSIG); elsewhere, and for a parent that died before the prctl, a daemon
+    thread polls the parent id."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+    def poll() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=poll, name="watch-parent", daemon=True).start()
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def worker_pool(jobs: int) -> ProcessPoolExecutor:
+    """``jobs`` worker processes that die with this process."""
+    # spawn, not fork: the parent may hold a CUDA context, which a fork must not inherit.
+    context = multiprocessing.get_context("spawn")
+    return ProcessPoolExecutor(
+        max_workers=jobs, mp_context=context, initializer=_watch_parent, initargs=(os.getpid(),)
+    )
 
 
 def build_all(
@@ -64,9 +111,7 @@ def build_all(
         for task in tasks:
             yield _run(task, template_root, version, output)
         return
-    # spawn, not fork: the parent may hold a CUDA context, which a fork must not inherit.
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+    with worker_pool(jobs) as pool:
         futures = [pool.submit(_run, t, template_root, version, output) for t in tasks]
         for future in as_completed(futures):
             yield future.result()

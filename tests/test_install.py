@@ -53,8 +53,11 @@ def test_wheel_requires_no_compiler(wheel):
 
 
 def _dry_run(*targets: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """pip's resolution as in a fresh environment: --ignore-installed, so what this
+    environment already holds (the package itself, under CI) is resolved and reported too."""
     report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "-q", "--report", str(report)]
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q"]
+    cmd += ["--report", str(report)]
     return subprocess.run([*cmd, *targets], capture_output=True, text=True, timeout=300)
 
 
@@ -107,7 +110,7 @@ def test_family_remembers_a_missing_compiler(monkeypatch, jit_cache):
     monkeypatch.setattr(jc, "cute_dsl_refusal", lambda: "nvidia-cutlass-dsl 4.7.1 is installed")
     monkeypatch.setattr(jf, "device_arch", lambda device: "sm_90a")
     family = cake.family
-    monkeypatch.setattr(family, "_missing", {})
+    monkeypatch.setattr(family, "_refused", {})
     builds = []
     real_build = family.builder.build
     monkeypatch.setattr(family.builder, "build", lambda *a: builds.append(a) or real_build(*a))
@@ -130,7 +133,7 @@ def test_a_cubin_the_driver_rejects_is_unavailable(monkeypatch, jit_cache):
     monkeypatch.setattr(jf, "LoadedKernel", reject)
     monkeypatch.setattr(jf, "driver_mismatch", lambda compiler: "; install cu12")
     family = ms.schedule_family
-    monkeypatch.setattr(family, "_missing", {})
+    monkeypatch.setattr(family, "_refused", {})
     for _ in range(2):
         with pytest.raises(KernelUnavailable, match="driver cannot load .*install cu12"):
             family.get((256,), 0)
@@ -161,7 +164,7 @@ def test_gpu_auto_serves_from_specialized_without_the_dsl(monkeypatch, jit_cache
 
     monkeypatch.setattr(jc, "cute_dsl_refusal", lambda: "nvidia-cutlass-dsl is not installed")
     monkeypatch.setattr(cake.family, "_loaded", {})
-    monkeypatch.setattr(cake.family, "_missing", {})
+    monkeypatch.setattr(cake.family, "_refused", {})
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
     torch.manual_seed(0)
     kv_nope = torch.randn(4096, 16, 256, device="cuda", dtype=torch.bfloat16) * 40

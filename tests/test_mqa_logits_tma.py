@@ -77,6 +77,7 @@ def _check_tma_cubin(params, tmp_path):
     assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills: {res}"
     assert "UTMALDG.3D" in sass and "QGMMA" in sass
     assert not spec.supports("sm_100a")
+    return sass
 
 
 class _FakeKernel:

@@ -220,3 +220,24 @@ def test_arguments_reach_the_driver_and_errors_raise_launch_error(tmp_path):
     for name in ("launch", "launch_programmatic"):
         message = seen[name + " error"]
         assert "fake_kernel" in message and "CUDA_ERROR_ILLEGAL_ADDRESS: 700" in message
+
+
+@needs_cc
+@pytest.mark.parametrize("damage", ["truncate", "folder", "no record"])
+def test_a_corrupt_launcher_is_rebuilt_and_verify_reports_it(fresh, monkeypatch, damage):
+    from jit_kernels import CubinCache, cache_admin
+
+    path, built = native.build(fresh)
+    assert built and native.launcher_problem(path) is None
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[:100])
+    elif damage == "folder":
+        path.unlink()
+        path.mkdir()
+    else:
+        path.with_name(path.name + ".json").unlink()
+    (found,) = [p for p in cache_admin.other_problems(CubinCache(fresh, [], "0"), fresh)]
+    assert found.path == path and found.what != "ok"
+    monkeypatch.setattr(native, "_resolved", [])
+    assert native.launcher() is not None  # rebuilt, not a fallback for good
+    assert path.is_file() and native.launcher_problem(path) is None

@@ -206,13 +206,14 @@ def test_mqa_changes_the_checks_refuse_miss(mqa_stub, monkeypatch, by):
     replay_by(monkeypatch, by)
     stub, base = mqa_stub, mqa_args()
     mq.fp8_paged_mqa_logits(**dict(base, max_seq_len=1))
-    assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**dict(base, max_seq_len=True))) == 1
+    with pytest.raises(TypeError, match="max_seq_len"):  # 1's plan never answers for True
+        mq.fp8_paged_mqa_logits(**dict(base, max_seq_len=True))
     mq.fp8_paged_mqa_logits(**base)
     bad = {
         "seq_lens dtype": (dict(base, seq_lens=base["seq_lens"].long()), TypeError),
         "weights device": (dict(base, weights=fake_cuda(base["weights"])), ValueError),
         "out dtype": (dict(base, out=torch.empty(6, 256, dtype=torch.float16)), TypeError),
-        "max_seq_len type": (dict(base, max_seq_len=200.0), ValueError),
+        "max_seq_len type": (dict(base, max_seq_len=200.0), TypeError),
     }
     for args, exc in bad.values():
         with pytest.raises(exc):

@@ -37,15 +37,19 @@ PROBE_PATCHES = [
         "  if (PROBE != 1 && wg < len) {  // the first tile's Q",
     ),
     (
-        "      if constexpr (F16ACC)\n        WgmmaSS<N, true>",
-        "      if constexpr (PROBE == 3)\n        break;\n"
-        "      else if constexpr (F16ACC)\n        WgmmaSS<N, true>",
+        "    tma_mma_cols<N, 0, N, DIM, F16ACC>(acc, da, db);",
+        "    if constexpr (PROBE == 3)\n"
+        '      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");\n'
+        "    else\n"
+        "      tma_mma_cols<N, 0, N, DIM, F16ACC>(acc, da, db);",
     ),
     (
-        "    if constexpr (WREG) {\n      tile_store",
+        "    if constexpr (WREG) {\n      tma_epilogue",
         "    if constexpr (PROBE == 2) {  // keep the accumulators alive without an epilogue\n"
+        "      tma_mma_wait<0, 0, ACC_WORDS>(acc);\n"
+        "      release_stage(empty0 + 8 * s);\n"
         "      if (acc[0] == 0x7fc00001u && m.x < 0) out[0] = OutT{};\n"
-        "    } else if constexpr (WREG) {\n      tile_store",
+        "    } else if constexpr (WREG) {\n      tma_epilogue",
     ),
     (
         "    if (m.x >= batch) release_stage(empty0 + 8 * s);  // padding\n    return m;",

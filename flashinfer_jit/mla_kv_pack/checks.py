@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from jit_kernels.args import require_int, require_no_overlap
+
+from ..workload_format import Fields, int_list, json_object, one_of
+
 BACKENDS = ("auto", "specialized", "cake")
 # The geometry both fused backends are built for (DeepSeek MLA), and their surface.
 NOPE, ROPE, V = 128, 64, 128
@@ -46,6 +50,7 @@ def check_args(kv_nope, k_pe, key, value, nope_dim: int, backend: str) -> torch.
     """Validate everything; return k_pe as [T, rope]."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    require_int("nope_dim", nope_dim)
     _check_kv_nope(kv_nope, nope_dim)
     k_pe = _check_k_pe(k_pe, kv_nope)
     tokens, heads, width = kv_nope.shape
@@ -60,6 +65,7 @@ def check_args(kv_nope, k_pe, key, value, nope_dim: int, backend: str) -> torch.
             raise TypeError(f"{name} must be torch.float8_e4m3fn, got {out.dtype}")
         if out.device != kv_nope.device:
             raise ValueError(f"{name} is on {out.device}, kv_nope on {kv_nope.device}")
+    require_no_overlap({"key": key, "value": value}, {"kv_nope": kv_nope, "k_pe": k_pe})
     return k_pe
 
 
@@ -77,3 +83,18 @@ def fused_refusal(kv_nope, k_pe, key, value) -> str | None:
     if not (kv_nope.is_contiguous() and key.is_contiguous() and value.is_contiguous()):
         return "kv_nope, key or value is not contiguous"
     return None
+
+
+# The fields of this op's workloads files (flashinfer_jit.workload_format): what prebuild
+# compiles for; the rules follow what the fused backends accept.
+WORKLOAD_FIELDS: Fields = {
+    "num_heads": (True, int_list(1, MAX_HEADS)),
+    "num_tokens": (False, int_list(1, MAX_TOKENS)),
+    "dtype": (False, one_of("bfloat16")),
+    "nope_dim": (False, one_of(NOPE)),
+    "rope_dim": (False, one_of(ROPE)),
+    "v_dim": (False, one_of(V)),
+    "max_heads": (False, one_of(MAX_HEADS)),
+    "max_tokens": (False, one_of(MAX_TOKENS)),
+    "tuned": (False, json_object),  # measurements; only the shipped file's are used
+}

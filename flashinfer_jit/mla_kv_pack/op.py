@@ -13,7 +13,7 @@ from jit_kernels import KernelSpec, KernelUnavailable, capability, current_strea
 from .._jit import cuda_device_index
 from ..contract import Op, Options, ScalarArg, TensorArg
 from . import cake, specialized
-from .checks import NOPE, ROPE, check_args, fused_refusal
+from .checks import NOPE, ROPE, WORKLOAD_FIELDS, V, check_args, fused_refusal
 from .heuristics import WORKLOADS, auto_order, plan_cake, plan_specialized
 from .reference import pack_torch
 
@@ -34,7 +34,7 @@ class Plan:
 
     __slots__ = (
         *("kernel", "grid", "block", "device", "align_mask", "scalars", "cake", "replay"),
-        *("shapes", "place"),
+        *("shapes", "place", "rows"),
     )
 
     def __init__(
@@ -47,19 +47,23 @@ class Plan:
         tokens, heads, width = kv_nope.shape
         self.shapes = ((tokens, heads, NOPE + ROPE), (tokens, heads, width - NOPE))
         self.place = kv_nope.device
+        self.rows = tokens * heads  # key and value are rows x (NOPE + ROPE) and rows x V bytes
 
     def run(
         self, kv_nope, k_pe, key, value, nope_dim: int = NOPE, backend: str = "auto"
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Launch on the current stream (allocating key/value given as None); None, with
-        nothing launched, if an address is misaligned. The metadata and the scalars are
-        this plan's (the replay key says so)."""
+        nothing launched, if an address is misaligned or key and value overlap (the full
+        path's checks then say so). The metadata and the scalars are this plan's (the replay
+        key says so)."""
         if key is None:
             key = torch.empty(self.shapes[0], dtype=E4M3, device=self.place)
         if value is None:
             value = torch.empty(self.shapes[1], dtype=E4M3, device=self.place)
         kv, pe, k, v = kv_nope.data_ptr(), k_pe.data_ptr(), key.data_ptr(), value.data_ptr()
         if (kv | pe | k | v) & self.align_mask:
+            return None
+        if k < v + self.rows * V and v < k + self.rows * (NOPE + ROPE):
             return None
         if self.cake:  # kv_nope {ptr; rows}, k_pe {ptr; T; LD}, key {ptr; rows}, value {ptr; rows}
             rows, tokens, pe_stride, tail = self.scalars
@@ -103,6 +107,7 @@ class MlaKvPack(Op[Plan, MlaKvPackOptions]):
     name = "mla_kv_pack"
     log_name = custom_op = "concat_mla_kv_quant_fp8"
     workloads = WORKLOADS
+    workload_fields = WORKLOAD_FIELDS
     args = (
         TensorArg("kv_nope"),
         TensorArg("k_pe"),
@@ -136,16 +141,17 @@ class MlaKvPack(Op[Plan, MlaKvPackOptions]):
         return None if reason is None else f"{args[5]} backend: {reason}"
 
     def plan(self, args: tuple, options: MlaKvPackOptions) -> Plan:
-        """The first backend (``auto``: in the policy's order) that serves. Only the first
-        choice's plan may be replayed: a fallback to the second for this call's addresses
-        must not stick."""
+        """The first backend (``auto``: in the policy's order) that serves. Its plan may be
+        replayed when every earlier choice is unavailable for the process (its kernel
+        refused, remembered by the family), not when one refused this call's addresses: such
+        a fallback must not stick."""
         kv_nope, k_pe, backend = args[0], args[1], args[5]
         names = (backend,)
         if backend == "auto":
             cap = capability(cuda_device_index(kv_nope))
             names = auto_order(kv_nope.shape[0], kv_nope.shape[1], cap)
-        reasons = []
-        for i, name in enumerate(names):
+        reasons, sticky = [], True
+        for name in names:
             refuse, make_plan = BACKENDS[name]
             why = refuse(*args[:4])
             if why is None:
@@ -154,8 +160,10 @@ class MlaKvPack(Op[Plan, MlaKvPackOptions]):
                 except KernelUnavailable as exc:
                     why = str(exc)
                 else:
-                    plan.replay = i == 0
+                    plan.replay = sticky
                     return plan
+            else:
+                sticky = False
             reasons.append(f"{name}: {why}")
         raise KernelUnavailable(f"{backend} backend: {'; '.join(reasons)}")
 

@@ -12,8 +12,10 @@ from collections.abc import Callable
 import torch
 
 from jit_kernels import shipped_smem_per_block, sm_count
+from jit_kernels.args import require_int
 
 from .._jit import cuda_device_index
+from ..workload_format import Fields, WorkloadError, choice_list, int_list
 
 STORE_GRANULARITY = 256  # output columns are padded to this (a multiple of every block size)
 TILE = 64  # KV tokens per schedule unit (kTile in templates/mqa_logits/util.cuh)
@@ -27,17 +29,14 @@ STATIC_SMEM = 2048  # the kernel's static shared memory (~1.3 KB with the reserv
 # -- helpers of the public contract ----------------------------------------------------
 def min_block_table_width(max_seq_len: int, block_size: int) -> int:
     """The narrowest legal ``block_tables`` width: ceil(max_seq_len / block_size)."""
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    if max_seq_len < 0:
-        raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
+    block_size = require_int("block_size", block_size, 1)
+    max_seq_len = require_int("max_seq_len", max_seq_len, 0)
     return -(-max_seq_len // block_size)
 
 
 def padded_seq_len(max_seq_len: int) -> int:
     """Output columns the kernel may write: max_seq_len rounded up to 256."""
-    if max_seq_len < 0:
-        raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
+    max_seq_len = require_int("max_seq_len", max_seq_len, 0)
     return -(-max_seq_len // STORE_GRANULARITY) * STORE_GRANULARITY
 
 
@@ -217,11 +216,7 @@ def check_args(q, kv_fused, weights, block_tables, seq_lens, max_seq_len) -> tup
             ValueError,
             lambda n=name, t=t: f"{n} is on {t.device}, q on {q.device}",
         )
-    _need(
-        isinstance(max_seq_len, int) and max_seq_len >= 0,
-        ValueError,
-        lambda: f"max_seq_len must be a non-negative int, got {max_seq_len!r}",
-    )
+    require_int("max_seq_len", max_seq_len, 0)
     # The kernel's restrictions (the same for every device, so behaviour does not depend on it).
     _need(
         dim > 0 and dim % 32 == 0,
@@ -362,3 +357,29 @@ def validate_preconditions(
             f"block_tables holds a block index outside [0, {kv_fused.shape[0]}) in a used entry"
         ),
     )
+
+
+# -- workloads files (flashinfer_jit.workload_format) ---------------------------------------
+_FLOATS = choice_list("float32", "float16")
+WORKLOAD_FIELDS: Fields = {
+    "next_n": (True, int_list(1, 32)),
+    "num_heads": (True, int_list(4, 256, multiple=4)),
+    "head_dim": (True, int_list(32, 256, multiple=32)),
+    "block_size": (True, int_list(32, 128, BLOCK_SIZES)),
+    # bfloat16 logits: the DeepGEMM surface (flashinfer_jit.deep_gemm) only.
+    "output_dtype": (True, choice_list("float32", "float16", "bfloat16")),
+    "epi_dtype": (False, _FLOATS),
+    "acc_dtype": (False, _FLOATS),
+}
+
+
+def check_workload_rows(data: dict, where: str) -> None:
+    """The kernels take next_n*num_heads query rows per sequence: a multiple of 8 in [8, 256]."""
+    for next_n in data["next_n"]:
+        for heads in data["num_heads"]:
+            n = next_n * heads
+            if n % 8 or not 8 <= n <= 256:
+                raise WorkloadError(
+                    f"{where}: next_n*num_heads must be a multiple of 8 in [8, 256], "
+                    f"got {next_n}*{heads} = {n}"
+                )

@@ -10,14 +10,17 @@ from pathlib import Path
 import torch
 
 from jit_kernels import KernelSpec, capability, validate_inputs
+from jit_kernels.args import require_no_overlap
 
 from .._jit import cuda_device_index
 from ..contract import Op, ScalarArg, TensorArg
 from .checks import (
+    WORKLOAD_FIELDS,
     check_args,
     check_dtypes,
     check_out,
     check_schedule,
+    check_workload_rows,
     padded_seq_len,
     validate_preconditions,
 )
@@ -30,6 +33,7 @@ class MqaLogits(Op[Launch, MqaLogitsOptions]):
     name = "mqa_logits"
     log_name = custom_op = "fp8_paged_mqa_logits"
     workloads = Path(__file__).parent / "workloads.json"
+    workload_fields = WORKLOAD_FIELDS
     # The kernels read q, kv_fused and weights densely: only their density is in the key.
     args = (
         *(TensorArg(n, dense=True) for n in ("q", "kv_fused", "weights")),
@@ -58,6 +62,9 @@ class MqaLogits(Op[Launch, MqaLogitsOptions]):
         rows, cols = batch * next_n, padded_seq_len(max_seq_len)
         if out is not None:
             check_out(out, rows, cols, output_dtype, q.device)
+            inputs = dict(q=q, kv_fused=kv_fused, weights=weights, block_tables=block_tables,
+                          seq_lens=seq_lens, schedule_meta=schedule_meta)  # fmt: skip
+            require_no_overlap({"out": out}, inputs)
         else:
             out = torch.empty(rows, cols, dtype=output_dtype, device=q.device)
         if schedule_meta is not None:
@@ -68,6 +75,9 @@ class MqaLogits(Op[Launch, MqaLogitsOptions]):
 
     def empty(self, args: tuple) -> bool:
         return args[0].shape[0] == 0 or args[5] == 0
+
+    def check_workloads(self, data: dict, where: str) -> None:
+        check_workload_rows(data, where)
 
     def refusal(self, args: tuple) -> str | None:
         q, kv_fused = args[0], args[1]

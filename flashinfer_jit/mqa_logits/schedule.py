@@ -15,6 +15,7 @@ from jit_kernels import (
     kernels_disabled,
     sm_count,
 )
+from jit_kernels.args import require_int, require_no_overlap
 
 from .._jit import cuda_device_index, kernel_family
 from .checks import BLOCK_SIZES, TILE
@@ -51,17 +52,18 @@ def compute_paged_mqa_logits_schedule(
         or seq_lens.dtype != torch.int32
     ):
         raise ValueError("seq_lens must be a 1-D int32 tensor [batch_size]")
-    if block_size not in BLOCK_SIZES:
+    if require_int("block_size", block_size) not in BLOCK_SIZES:
         raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
     on_cuda = seq_lens.device.type == "cuda"
     if num_sms is None:
         num_sms = sm_count(cuda_device_index(seq_lens)) if on_cuda else 1
-    if num_sms <= 0:
-        raise ValueError(f"num_sms must be positive, got {num_sms}")
+    num_sms = require_int("num_sms", num_sms, 1)
     if out is None:
         out = torch.empty(num_sms + 1, 2, dtype=torch.int32, device=seq_lens.device)
     elif out.shape != (num_sms + 1, 2) or out.dtype != torch.int32 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous int32 tensor of shape {(num_sms + 1, 2)}")
+    else:
+        require_no_overlap({"out": out}, {"seq_lens": seq_lens})
     if on_cuda and not kernels_disabled():
         try:
             device = cuda_device_index(seq_lens)

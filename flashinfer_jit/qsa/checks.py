@@ -12,8 +12,10 @@ import math
 import torch
 
 from jit_kernels import capability
+from jit_kernels.args import require_no_overlap
 
 from .._jit import cuda_device_index
+from ..workload_format import Fields, int_list
 
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 HEAD_DIMS = (64, 128, 256)
@@ -110,6 +112,12 @@ def check_args(
             or not math.isfinite(value)
         ):
             raise ValueError(f"{name} must be a finite real number, got {value!r}")
+    # out may be output_gate itself: the gate is read element by element where out is written.
+    inputs = dict(named[:-2], q=q, output_gate=output_gate)
+    require_no_overlap({"out": out}, inputs, in_place=("output_gate",))
+    # out may be output_gate itself: the gate is read element by element where out is written.
+    inputs = dict(named[:-2], q=q, output_gate=output_gate)
+    require_no_overlap({"out": out}, inputs, in_place=("output_gate",))
 
 
 def offset_bits(page_size: int) -> int:
@@ -149,3 +157,26 @@ def kernel_refusal(q, k_cache, v_cache, logical_indices, out, output_gate) -> st
     if rows * num_kv_heads >= 2**31 or logical_indices.shape[1] - 1 >= 2**26:
         return "rows * num_kv_heads or TOPK too large for the launch grid"
     return None
+
+
+def _configs(value: object) -> str | None:
+    """The rule of a workloads file's ``configs``: geometries the kernels take."""
+    fields = {
+        "head_dims": int_list(64, 256, HEAD_DIMS),
+        "group_sizes": int_list(1, MAX_GROUP),
+        "page_sizes": int_list(1, 1024, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)),
+    }
+    if not isinstance(value, list) or not value:
+        return "a non-empty list of objects with keys head_dims, group_sizes, page_sizes"
+    for i, config in enumerate(value):
+        if not isinstance(config, dict) or set(config) != set(fields):
+            return f"a list of objects with exactly the keys {sorted(fields)} (entry {i} is not)"
+        for key, check in fields.items():
+            rule = check(config[key])
+            if rule is not None:
+                return f"entry {i}: {key} must be {rule}"
+    return None
+
+
+# The fields of this op's workloads files (flashinfer_jit.workload_format).
+WORKLOAD_FIELDS: Fields = {"configs": (True, _configs)}

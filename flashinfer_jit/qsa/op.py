@@ -19,7 +19,7 @@ from jit_kernels import KernelSpec
 
 from .._jit import cuda_device_index
 from ..contract import Op, ScalarArg, TensorArg
-from .checks import check_args, kernel_refusal
+from .checks import WORKLOAD_FIELDS, check_args, kernel_refusal
 from .launch import DecodeLaunch
 from .plan import QsaOptions, Variant, decode_launch, dispatch_split
 from .reference import qsa_decode_torch
@@ -31,6 +31,7 @@ class Qsa(Op[DecodeLaunch, QsaOptions]):
     log_name = "qsa"
     custom_op = "qsa_sparse_paged_decode"
     workloads = Path(__file__).parent / "workloads.json"
+    workload_fields = WORKLOAD_FIELDS
     args = (
         *(TensorArg(n) for n in ("q", "k_cache", "v_cache", "logical_indices", "block_table")),
         TensorArg("token_to_req"),

@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from jit_kernels import capability, current_stream, max_active_clusters, sm_count
+from jit_kernels.args import require_int
 
 from .._jit import cuda_device_index
 from ..contract import Options
@@ -201,6 +202,7 @@ def use_fp8_decode_kernel(base_programs: int, cache_dtype: torch.dtype) -> bool:
     (2048 rows, topk 1024: 517 vs 595). The crossover is therefore 2048, where the single
     pass needs no cluster. The same rule is used on every arch (sm_100 not measured).
     """
+    require_int("base_programs", base_programs, 0)
     return cache_dtype in FP8_CACHE_DTYPES and base_programs >= DECODE_MIN_PROGRAMS
 
 

@@ -84,8 +84,12 @@ def qsa_decode_torch(
         r1 = min(rows, r0 + step)
         n = r1 - r0
         sel_page, sel_off, mask = page[r0:r1], offset[r0:r1], attended[r0:r1]
-        keys = decode_cache_values(k_cache[sel_page, sel_off])  # [n, topk, Hkv, D]
-        values = decode_cache_values(v_cache[sel_page, sel_off])
+        # Unattended entries gather slot (0, 0), which may lie in an unused block holding
+        # anything (NaN codes in an uninitialised pool; 0 * NaN is NaN): zero them, as the
+        # kernels never read them.
+        keep = mask[:, :, None, None]
+        keys = decode_cache_values(k_cache[sel_page, sel_off]).where(keep, 0.0)  # [n, topk, Hkv, D]
+        values = decode_cache_values(v_cache[sel_page, sel_off]).where(keep, 0.0)
         query = q[r0:r1].float().view(n, num_kv_heads, group, head_dim)
         scores = torch.einsum("nhgd,nthd->nhgt", query, keys) * softmax_scale
         scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from jit_kernels import KernelSpec, capability, kernels_disabled, sm_count
+from jit_kernels.args import require_int
 
 from .._jit import cuda_device_index
 from .checks import FP8_CACHE_DTYPES, HEAD_DIMS, MAX_GROUP
@@ -58,8 +59,8 @@ def warmup_qsa_fp8_decode(
         )
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
         raise ValueError("block_table must be a 2-D tensor [num_requests, width]")
-    if selection_width < 0:
-        raise ValueError(f"selection_width must be >= 0, got {selection_width}")
+    require_int("selection_width", selection_width, 0)
+    require_int("num_query_heads", num_query_heads, 1)
     _, num_kv_heads, page_size, width = kv_cache.shape
     head_dim = width // 2
     if (

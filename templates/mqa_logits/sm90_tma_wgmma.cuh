@@ -155,6 +155,50 @@ __device__ __forceinline__ void issue_q(const unsigned char* __restrict__ q, con
   for (int n = tid; n < N; n += 128) cp_async_4(wdst + 4 * LaneWeights<N>::slot(n), weights + (long long)b * N + n);
 }
 
+// The MMA of Q rows (accumulator columns) [C0, C0 + NC) against the tile at descriptor da,
+// Q at db, into their accumulator words: one commit group, not waited for. C0 is a
+// multiple of 8 rows (whole swizzle atoms); acc is not cleared (k = 0 does not read it).
+template <int N, int C0, int NC, int DIM, bool F16ACC, int ACC_WORDS>
+__device__ __forceinline__ void tma_mma_cols(unsigned (&acc)[ACC_WORDS], unsigned long long da,
+                                             unsigned long long db) {
+  using P = Panels<DIM>;
+  constexpr int kSteps = P::kWidth / 32;
+#pragma unroll
+  for (int k = 0; k < DIM / 32; ++k) {
+    // k step k: panel k*32 / kWidth (kTile resp. N rows of kWidth bytes), 32 bytes in.
+    const unsigned long long ka = da + (unsigned long long)((k / kSteps) * (kTile * P::kWidth) >> 4) + 2 * (k % kSteps);
+    const unsigned long long kb = db + (unsigned long long)(((k / kSteps) * N + C0) * P::kWidth >> 4) + 2 * (k % kSteps);
+    if constexpr (F16ACC)
+      WgmmaSS<NC, true>::run(acc + C0 / 4, ka, kb, k > 0 ? 1 : 0);
+    else
+      WgmmaSS<NC, false>::run(reinterpret_cast<float*>(acc) + C0 / 2, ka, kb, k > 0 ? 1 : 0);
+  }
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
+// Accumulator words [W0, W1) may be read once at most PENDING commit groups are in flight.
+template <int PENDING, int W0, int W1, int ACC_WORDS>
+__device__ __forceinline__ void tma_mma_wait(unsigned (&acc)[ACC_WORDS]) {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
+#pragma unroll
+  for (int w = W0; w < W1; ++w) asm volatile("" : "+r"(acc[w])::"memory");  // read after the wait
+}
+
+// A tile's epilogue once its MMA is done: the stage (empty barrier empty_bar) is released
+// as soon as no MMA reads it, then the sums and the store. (Splitting the MMA in two column
+// halves to overlap the first half's sums with the second's MMA was measured slower at
+// next_n*heads = 128 and no faster elsewhere: BENCHMARKS.md, MQA round 10.)
+template <int NEXT_N, int HEADS, typename OutT, typename EpiT, typename AccT, int ACC_WORDS, typename W>
+__device__ __forceinline__ void tma_epilogue(unsigned (&acc)[ACC_WORDS], const W& wts, unsigned empty_bar,
+                                             float sc0, float sc1, int4 m, OutT* __restrict__ out,
+                                             long long out_stride, int warp, int g, int tig) {
+  TileSums<NEXT_N, HEADS, OutT, EpiT, AccT> sums;
+  tma_mma_wait<0, 0, ACC_WORDS>(acc);
+  release_stage(empty_bar);
+  sums.template add<0, NEXT_N * HEADS / 8>(acc, wts, tig);
+  sums.store(sc0, sc1, m.x, m.y, m.z, out, out_stride, warp, g, tig);
+}
+
 template <int NEXT_N, int HEADS, int DIM, int BLOCK, typename OutT, typename EpiT, typename AccT, int WGS, int STAGES,
           int PRODUCERS, int QBUF>
 __global__ void __maxnreg__(reg_cap(WGS * 128 + 32 * PRODUCERS))
@@ -265,6 +309,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     }
   }
   // The MMA of the tile in stage s into acc (asynchronous: committed, not waited for).
+  // The MMA of the tile in stage s into acc (asynchronous: committed, not waited for).
   auto issue_mma = [&](int s, unsigned (&acc)[ACC_WORDS]) {
     // s and cur are warp-uniform but ptxas cannot tell: broadcasting the two addresses lets
     // it build the descriptors in uniform registers (fewer instructions a tile than moving
@@ -272,34 +317,20 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     const unsigned long long da = P::desc(__shfl_sync(0xffffffffu, base + s * L::kVals, 0));
     const unsigned long long db = P::desc(__shfl_sync(0xffffffffu, qaddr0 + cur * (N * DIM), 0));
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-    for (int k = 0; k < DIM / 32; ++k) {  // acc is not cleared: k = 0 does not read it
-      // k step k: panel k*32 / kWidth (kTile resp. N rows of kWidth bytes), 32 bytes in.
-      constexpr int kSteps = P::kWidth / 32;
-      const unsigned long long ka = da + (unsigned long long)((k / kSteps) * (kTile * P::kWidth) >> 4) + 2 * (k % kSteps);
-      const unsigned long long kb = db + (unsigned long long)((k / kSteps) * (N * P::kWidth) >> 4) + 2 * (k % kSteps);
-      if constexpr (F16ACC)
-        WgmmaSS<N, true>::run(acc, ka, kb, k > 0 ? 1 : 0);
-      else
-        WgmmaSS<N, false>::run(reinterpret_cast<float*>(acc), ka, kb, k > 0 ? 1 : 0);
-    }
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    tma_mma_cols<N, 0, N, DIM, F16ACC>(acc, da, db);
   };
   // Tile (stage s, descriptor m) once its MMA is done: release the stage, epilogue.
   auto finish = [&](int s, int4 m, unsigned (&acc)[ACC_WORDS]) {
     const float* scales = reinterpret_cast<const float*>(smem + L::kScales) + s * kTile;
     const float sc0 = scales[warp * 16 + g], sc1 = scales[warp * 16 + g + 8];
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-    for (int w = 0; w < ACC_WORDS; ++w) asm volatile("" : "+r"(acc[w])::"memory");  // read after the wait
-    release_stage(empty0 + 8 * s);
     if constexpr (WREG) {
-      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, wreg, sc0, sc1, m.x, m.y, m.z, out, out_stride, warp, g, tig);
+      tma_epilogue<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, wreg, empty0 + 8 * s, sc0, sc1, m, out, out_stride,
+                                                    warp, g, tig);
     } else {
       const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) +
                           (wg * QBUF + cur) * LaneWeights<N>::kFloats + tig * LaneWeights<N>::kStride;
-      tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, LaneWeights<N>{reinterpret_cast<const float4*>(wbuf)}, sc0, sc1, m.x, m.y, m.z, out, out_stride,
-                                                  warp, g, tig);
+      tma_epilogue<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, LaneWeights<N>{reinterpret_cast<const float4*>(wbuf)},
+                                                    empty0 + 8 * s, sc0, sc1, m, out, out_stride, warp, g, tig);
     }
   };
   // Waits for tile i and returns its descriptor (m.x >= batch: padding, already released).

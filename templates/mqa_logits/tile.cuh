@@ -187,94 +187,117 @@ __device__ __forceinline__ void quad_reduce_scatter(const T (&v)[V], T (&res)[(V
   if constexpr (H % 2) res[H / 2] = add(h[H - 1], __shfl_xor_sync(0xffffffffu, h[H - 1], 2));
 }
 
-template <int NEXT_N, int HEADS, typename OutT, typename EpiT, typename AccT, typename W>
-__device__ __forceinline__ void tile_store(const unsigned* acc_u, const W& wts, float sc0, float sc1, int b,
-                                           int tile, int rows, OutT* __restrict__ out, long long out_stride,
-                                           int warp, int g, int tig) {
-  constexpr int N = NEXT_N * HEADS;
-  constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
-  constexpr bool F16EPI = same_type<EpiT, fij::half_t>::value;
-  constexpr bool F16OUT = same_type<OutT, fij::half_t>::value;
-  constexpr bool BF16OUT = same_type<OutT, fij::bf16_t>::value;
-  const float* acc_f = reinterpret_cast<const float*>(acc_u);
+// One tile's epilogue for one thread: ReLU, weights and the in-thread head sums over the
+// accumulator's 8-column groups (add, in any split of [0, N/8) in order: the TMA kernel
+// adds the first half while the MMA of the second half runs), then the quad reduction,
+// scale and store (store).
+template <int NEXT_N, int HEADS, typename OutT, typename EpiT, typename AccT>
+struct TileSums {
+  static constexpr int N = NEXT_N * HEADS;
+  static constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
+  static constexpr bool F16EPI = same_type<EpiT, fij::half_t>::value;
+  static constexpr bool F16OUT = same_type<OutT, fij::half_t>::value;
+  static constexpr bool BF16OUT = same_type<OutT, fij::bf16_t>::value;
   // f32 epilogue: two independent FMA chains per (t, row), summed at the end (ILP).
   float part[NEXT_N][2], part_b[NEXT_N][2];
   // f16 epilogue: per (t, row) one half2 chain over the column pairs (a fused multiply-add
   // of both columns per instruction), its halves added at the end.
   unsigned hacc[NEXT_N][2];
+
+  __device__ __forceinline__ TileSums() {
 #pragma unroll
-  for (int t = 0; t < NEXT_N; ++t) {
-    part[t][0] = part[t][1] = part_b[t][0] = part_b[t][1] = 0.f;
-    hacc[t][0] = hacc[t][1] = 0u;
+    for (int t = 0; t < NEXT_N; ++t) {
+      part[t][0] = part[t][1] = part_b[t][0] = part_b[t][1] = 0.f;
+      hacc[t][0] = hacc[t][1] = 0u;
+    }
   }
+
+  // Column groups [I0, I1) of the accumulator (acc_u: all N/2 f32 or N/4 half2 words).
+  template <int I0, int I1, typename W>
+  __device__ __forceinline__ void add(const unsigned* acc_u, const W& wts, int tig) {
+    const float* acc_f = reinterpret_cast<const float*>(acc_u);
 #pragma unroll
-  for (int i = 0; i < N / 8; ++i) {
-    const int t_lo = (i * 8) / HEADS, t_hi = (i * 8 + 7) / HEADS;
-    const bool low = (i * 8 + tig * 2) < (t_lo + 1) * HEADS;  // which t this thread's pair is in
-    const float2 w = wts.get2(i);
-    const unsigned w2 = F16EPI ? pack_h2(w.x, w.y) : 0u;
+    for (int i = I0; i < I1; ++i) {
+      const int t_lo = (i * 8) / HEADS, t_hi = (i * 8 + 7) / HEADS;
+      const bool low = (i * 8 + tig * 2) < (t_lo + 1) * HEADS;  // which t this thread's pair is in
+      const float2 w = wts.get2(i);
+      const unsigned w2 = F16EPI ? pack_h2(w.x, w.y) : 0u;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if constexpr (F16EPI) {
-        const unsigned x = F16ACC ? acc_u[2 * i + r] : pack_h2(acc_f[4 * i + 2 * r], acc_f[4 * i + 2 * r + 1]);
-        if (t_lo == t_hi || low)
-          hacc[t_lo][r] = hfma2(hrelu2(x), w2, hacc[t_lo][r]);
-        else
-          hacc[t_hi][r] = hfma2(hrelu2(x), w2, hacc[t_hi][r]);
-      } else {
-        const float x0 = F16ACC ? h2_lo(acc_u[2 * i + r]) : acc_f[4 * i + 2 * r];
-        const float x1 = F16ACC ? h2_hi(acc_u[2 * i + r]) : acc_f[4 * i + 2 * r + 1];
-        if (t_lo == t_hi) {
-          part[t_lo][r] = fmaf(fmaxf(x0, 0.f), w.x, part[t_lo][r]);
-          part_b[t_lo][r] = fmaf(fmaxf(x1, 0.f), w.y, part_b[t_lo][r]);
-        } else {  // a pair never straddles two t (HEADS % 4 == 0): it is all t_lo or all t_hi
-          const float y = fmaf(fmaxf(x0, 0.f), w.x, fmaxf(x1, 0.f) * w.y);
-          part[t_lo][r] += low ? y : 0.f;
-          part[t_hi][r] += low ? 0.f : y;
+      for (int r = 0; r < 2; ++r) {
+        if constexpr (F16EPI) {
+          const unsigned x = F16ACC ? acc_u[2 * i + r] : pack_h2(acc_f[4 * i + 2 * r], acc_f[4 * i + 2 * r + 1]);
+          if (t_lo == t_hi || low)
+            hacc[t_lo][r] = hfma2(hrelu2(x), w2, hacc[t_lo][r]);
+          else
+            hacc[t_hi][r] = hfma2(hrelu2(x), w2, hacc[t_hi][r]);
+        } else {
+          const float x0 = F16ACC ? h2_lo(acc_u[2 * i + r]) : acc_f[4 * i + 2 * r];
+          const float x1 = F16ACC ? h2_hi(acc_u[2 * i + r]) : acc_f[4 * i + 2 * r + 1];
+          if (t_lo == t_hi) {
+            part[t_lo][r] = fmaf(fmaxf(x0, 0.f), w.x, part[t_lo][r]);
+            part_b[t_lo][r] = fmaf(fmaxf(x1, 0.f), w.y, part_b[t_lo][r]);
+          } else {  // a pair never straddles two t (HEADS % 4 == 0): it is all t_lo or all t_hi
+            const float y = fmaf(fmaxf(x0, 0.f), w.x, fmaxf(x1, 0.f) * w.y);
+            part[t_lo][r] += low ? y : 0.f;
+            part[t_hi][r] += low ? 0.f : y;
+          }
         }
       }
     }
   }
+
   // Each (t, row) sum is spread over the 4 lanes of a quad; reduce-scatter them so every
   // lane ends with whole sums (item 2t + r in lane (2t + r) % 4) and stores at most two:
   // 1-2 stores a lane instead of one predicated store per item, and a lane's items all
   // lie in row r = tig & 1 of its pair (one scale, one position).
-  constexpr int V = 2 * NEXT_N;
-  const int pos = tile * kTile + warp * 16 + g + 8 * (tig & 1);
-  const float sc = (tig & 1) ? sc1 : sc0;
-  auto store = [&](int m, auto value) {  // the lane's m-th reduced item (see quad_reduce_scatter)
-    const int item = m < V / 4 ? 4 * m + tig : V - 2 + (tig & 1);
-    if (pos >= rows || (m == V / 4 && (tig & 2))) return;  // the shared tail: lanes 0-1 write it
-    OutT* dst = out + (long long)(b * NEXT_N + (item >> 1)) * out_stride + pos;
-    if constexpr (F16OUT) {
-      if constexpr (F16EPI) reinterpret_cast<unsigned short*>(dst)[0] = value;
-      else reinterpret_cast<unsigned short*>(dst)[0] = f2h(value);
-    } else if constexpr (BF16OUT) {  // rounded once from the epilogue's value
-      if constexpr (F16EPI) reinterpret_cast<unsigned short*>(dst)[0] = f2bf(h2f(value));
-      else reinterpret_cast<unsigned short*>(dst)[0] = f2bf(value);
+  __device__ __forceinline__ void store(float sc0, float sc1, int b, int tile, int rows, OutT* __restrict__ out,
+                                        long long out_stride, int warp, int g, int tig) const {
+    constexpr int V = 2 * NEXT_N;
+    const int pos = tile * kTile + warp * 16 + g + 8 * (tig & 1);
+    const float sc = (tig & 1) ? sc1 : sc0;
+    auto put = [&](int m, auto value) {  // the lane's m-th reduced item (see quad_reduce_scatter)
+      const int item = m < V / 4 ? 4 * m + tig : V - 2 + (tig & 1);
+      if (pos >= rows || (m == V / 4 && (tig & 2))) return;  // the shared tail: lanes 0-1 write it
+      OutT* dst = out + (long long)(b * NEXT_N + (item >> 1)) * out_stride + pos;
+      if constexpr (F16OUT) {
+        if constexpr (F16EPI) reinterpret_cast<unsigned short*>(dst)[0] = value;
+        else reinterpret_cast<unsigned short*>(dst)[0] = f2h(value);
+      } else if constexpr (BF16OUT) {  // rounded once from the epilogue's value
+        if constexpr (F16EPI) reinterpret_cast<unsigned short*>(dst)[0] = f2bf(h2f(value));
+        else reinterpret_cast<unsigned short*>(dst)[0] = f2bf(value);
+      } else {
+        if constexpr (F16EPI) *reinterpret_cast<float*>(dst) = h2f(value);
+        else *reinterpret_cast<float*>(dst) = value;
+      }
+    };
+    if constexpr (F16EPI) {
+      unsigned v[V], res[(V + 2) / 4];
+#pragma unroll
+      for (int i = 0; i < V; ++i) v[i] = hsum2(hacc[i >> 1][i & 1]);
+      quad_reduce_scatter<V>(v, res, tig, [](unsigned x, unsigned y) {
+        return (unsigned)hadd((unsigned short)x, (unsigned short)y);
+      });
+      const unsigned short hsc = f2h(sc);
+#pragma unroll
+      for (int m = 0; m < (V + 2) / 4; ++m) put(m, hmul((unsigned short)res[m], hsc));
     } else {
-      if constexpr (F16EPI) *reinterpret_cast<float*>(dst) = h2f(value);
-      else *reinterpret_cast<float*>(dst) = value;
+      float v[V], res[(V + 2) / 4];
+#pragma unroll
+      for (int i = 0; i < V; ++i) v[i] = part[i >> 1][i & 1] + part_b[i >> 1][i & 1];
+      quad_reduce_scatter<V>(v, res, tig, [](float x, float y) { return x + y; });
+#pragma unroll
+      for (int m = 0; m < (V + 2) / 4; ++m) put(m, res[m] * sc);
     }
-  };
-  if constexpr (F16EPI) {
-    unsigned v[V], res[(V + 2) / 4];
-#pragma unroll
-    for (int i = 0; i < V; ++i) v[i] = hsum2(hacc[i >> 1][i & 1]);
-    quad_reduce_scatter<V>(v, res, tig, [](unsigned x, unsigned y) {
-      return (unsigned)hadd((unsigned short)x, (unsigned short)y);
-    });
-    const unsigned short hsc = f2h(sc);
-#pragma unroll
-    for (int m = 0; m < (V + 2) / 4; ++m) store(m, hmul((unsigned short)res[m], hsc));
-  } else {
-    float v[V], res[(V + 2) / 4];
-#pragma unroll
-    for (int i = 0; i < V; ++i) v[i] = part[i >> 1][i & 1] + part_b[i >> 1][i & 1];
-    quad_reduce_scatter<V>(v, res, tig, [](float x, float y) { return x + y; });
-#pragma unroll
-    for (int m = 0; m < (V + 2) / 4; ++m) store(m, res[m] * sc);
   }
+};
+
+template <int NEXT_N, int HEADS, typename OutT, typename EpiT, typename AccT, typename W>
+__device__ __forceinline__ void tile_store(const unsigned* acc_u, const W& wts, float sc0, float sc1, int b,
+                                           int tile, int rows, OutT* __restrict__ out, long long out_stride,
+                                           int warp, int g, int tig) {
+  TileSums<NEXT_N, HEADS, OutT, EpiT, AccT> sums;
+  sums.template add<0, NEXT_N * HEADS / 8>(acc_u, wts, tig);
+  sums.store(sc0, sc1, b, tile, rows, out, out_stride, warp, g, tig);
 }
 
 }  // namespace fij_mqa

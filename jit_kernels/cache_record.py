@@ -1,0 +1,123 @@
+"""The JSON record beside each cached cubin, and the file-system rules the cache keeps.
+
+A record binds its entry: the cache key (which is also the file name), the spec label,
+the family and arch (which are also the folders), the package version (the top folder)
+and the cubin's size and sha256. An entry copied or renamed under another key, family,
+arch or version no longer matches its record, so it is never served as another kernel.
+A record that does not parse into this shape is a corrupt entry, like a bad checksum.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+from pathlib import Path
+
+CACHE_DIR_ENV = "FLASHINFER_JIT_CACHE_DIR"
+
+# Field -> type; ints are checked as "int and not bool" (JSON true is not a size).
+RECORD_FIELDS: dict[str, type] = {
+    "key": str,
+    "family": str,
+    "label": str,
+    "arch": str,
+    "version": str,
+    "entry": str,
+    "size": int,
+    "sha256": str,
+}
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class InsecureCacheError(RuntimeError):
+    """A cache directory other users can write to: its cubins cannot be trusted."""
+
+
+class CorruptEntry(ValueError):
+    """A cache record or cubin that is not what the cache wrote (the message says why)."""
+
+
+def parse_record(text: str) -> dict:
+    """The record in ``text``; CorruptEntry when it is not a record of the expected shape."""
+    try:
+        record = json.loads(text)
+    except ValueError as exc:
+        raise CorruptEntry(f"record is not JSON ({exc})") from None
+    if not isinstance(record, dict):
+        raise CorruptEntry(f"record is a JSON {type(record).__name__}, not an object")
+    for field, kind in RECORD_FIELDS.items():
+        value = record.get(field)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CorruptEntry(f"record field {field!r} is missing or not a {kind.__name__}")
+    if not _HEX64.fullmatch(record["sha256"]) or not _HEX64.fullmatch(record["key"]):
+        raise CorruptEntry("record key or sha256 is not 64 lowercase hex digits")
+    return record
+
+
+def read_record(meta_path: Path) -> dict:
+    """parse_record of a file; CorruptEntry also when it cannot be read (e.g. a folder)."""
+    try:
+        return parse_record(meta_path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CorruptEntry(f"record unreadable ({exc})") from None
+
+
+def binding_problem(record: dict, expected: dict[str, str]) -> str | None:
+    """What in ``record`` differs from ``expected`` (field -> value), else None."""
+    for field, want in expected.items():
+        if record.get(field) != want:
+            return f"record {field} {record.get(field)!r} is not this entry's {want!r}"
+    return None
+
+
+def cubin_problem(record: dict, data: bytes) -> str | None:
+    import hashlib
+
+    if len(data) != record["size"]:
+        return f"size {len(data)} != recorded {record['size']}"
+    if hashlib.sha256(data).hexdigest() != record["sha256"]:
+        return "sha256 mismatch"
+    return None
+
+
+def check_owner_and_mode(path: Path) -> None:
+    """InsecureCacheError where ``path`` can be written by other users (a folder with the
+    sticky bit excepted) or is owned by someone other than the user or root."""
+    st = path.stat()
+    if st.st_mode & stat.S_IWOTH and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
+        raise InsecureCacheError(
+            f"refusing to use {path}: it is writable by other users "
+            f"(mode {stat.filemode(st.st_mode)}); a cubin is executable code. "
+            f"Run `chmod o-w {path}` or point {CACHE_DIR_ENV} elsewhere."
+        )
+    if st.st_uid not in (os.getuid(), 0):
+        raise InsecureCacheError(
+            f"refusing to use {path}: it is owned by uid {st.st_uid}, "
+            f"neither you nor root; a cubin is executable code."
+        )
+
+
+def check_existing_folders(root: Path, rel_folder: Path) -> None:
+    """check_owner_and_mode on ``root`` and each folder of ``rel_folder`` that exists, so a
+    folder other users can write to is refused before anything is written into it."""
+    folder = root
+    for part in ("", *rel_folder.parts):
+        folder = folder / part if part else folder
+        if not folder.exists():
+            return
+        check_owner_and_mode(folder)
+
+
+def remove_squatter(path: Path) -> bool:
+    """Remove a folder or link standing where the cache writes a plain file (the name is
+    the cache's own). True when something was removed."""
+    if path.is_symlink():
+        path.unlink()
+        return True
+    if path.is_dir():
+        shutil.rmtree(path)
+        return True
+    return False
