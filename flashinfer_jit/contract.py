@@ -233,7 +233,11 @@ def _readers(args: Sequence[Arg], refs: Sequence[str]) -> tuple[str, str, dict]:
             tensors.append(f"_none{i} if {ref} is None else {ref}")
         else:
             tensors.append(ref)
-    return f"({', '.join(scalars)},)", f"({', '.join(tensors)},)", env
+    return _tuple(scalars), _tuple(tensors), env
+
+
+def _tuple(items: list[str]) -> str:
+    return f"({', '.join(items)},)" if items else "()"
 
 
 def _key_parts(args: Sequence[Arg]) -> str:

@@ -9,6 +9,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 from flashinfer_jit._jit import FAMILIES, TEMPLATE_ROOT
 from flashinfer_jit.registry import OPS
@@ -87,8 +88,6 @@ def test_ops_depend_on_the_engine_never_the_reverse_nor_on_each_other():
 
 # -- the registry ---------------------------------------------------------------------------
 def test_registry_ops_are_registered_custom_ops():
-    import torch
-
     for name, op in OPS.items():
         assert op.name == name
         assert hasattr(torch.ops.flashinfer_jit, op.custom_op)
@@ -200,8 +199,6 @@ def test_host_mirrors_of_kernel_constants_agree(value, template, name):
 def test_entries_pass_their_own_fixed_arguments(monkeypatch):
     """Two public functions of one op (QSA's decode and attention entry points) each pass
     their own fixed ``dispatch``, with every argument in the declared order."""
-    import torch
-
     from flashinfer_jit import qsa
 
     seen = []
@@ -217,3 +214,81 @@ def test_entries_pass_their_own_fixed_arguments(monkeypatch):
         with pytest.raises(RuntimeError, match="stop"):
             fn(*args)
     assert seen == [(0.5, 2.0, False), (0.5, 2.0, True)]
+
+
+# -- a fourth op, as docs/adding_an_op.md says to write one -----------------------------------
+class _ScalePlan:
+    """The "kernel" of the toy op: out = x * scale, counted."""
+
+    __slots__ = ("replay", "launches")
+
+    def __init__(self):
+        self.replay, self.launches = True, 0
+
+    def run(self, x, out, scale):
+        out = torch.empty_like(x) if out is None else out
+        self.launches += 1
+        return out.copy_(x * scale)
+
+
+def _toy_op():
+    from flashinfer_jit.contract import Op, ScalarArg, TensorArg
+
+    class Scale(Op):
+        name = log_name = "contract_toy_scale"
+        custom_op = "contract_toy_scale"
+        args = (
+            TensorArg("x"),
+            TensorArg("out", optional=True, mutated=True),
+            ScalarArg("scale", "float", 1.0),
+        )
+        prepared = 0
+
+        def prepare(self, args):
+            x, out, scale = args
+            if not isinstance(x, torch.Tensor):
+                raise TypeError("x must be a tensor")
+            self.prepared += 1
+            return x, torch.empty_like(x) if out is None else out, scale
+
+        def kernel_call(self, args):
+            return True  # the toy's kernel runs on CPU tensors
+
+        def refusal(self, args):
+            return None
+
+        def plan(self, args, options):
+            return _ScalePlan()
+
+        def reference(self, args):
+            args[1].copy_(args[0] * args[2])
+
+        def result(self, args):
+            return args[1]
+
+    return Scale()
+
+
+def test_a_new_op_gets_the_call_path_from_its_declaration():
+    """The contract alone gives a new op its replay, checks, entry point and custom op."""
+    import inspect
+
+    op = _toy_op()
+
+    @op.entry()
+    def scale(x: torch.Tensor, out: torch.Tensor | None = None, *, scale: float = 1.0):
+        """x * scale."""
+
+    assert list(inspect.signature(scale).parameters) == ["x", "out", "scale"]
+    assert scale.__doc__ == "x * scale."
+    x = torch.arange(4.0)
+    assert torch.equal(scale(x, scale=2.0), x * 2) and op.prepared == 1
+    assert torch.equal(scale(torch.ones(4), scale=2.0), torch.full((4,), 2.0))
+    assert op.prepared == 1  # the repeat call replayed the plan
+    scale(x, scale=3)  # another scalar type: the full path
+    assert op.prepared == 2
+    with pytest.raises(TypeError, match="x must be a tensor"):
+        scale([1.0, 2.0])
+    out = torch.empty(4)
+    op.traced(x, out, 5.0)  # the registered custom op
+    assert torch.equal(out, x * 5)
