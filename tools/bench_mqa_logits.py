@@ -276,7 +276,7 @@ def set_variant(v, shape: tuple[int, int, int, int]) -> None:
 
 def logits(q, kv, w, table, lens, max_len, out=None) -> torch.Tensor:
     """fp8_paged_mqa_logits with the variant set_variant chose, on the public call's path."""
-    return _variant((q, kv, w, table, lens, max_len, F32, F32, F32, None, out))
+    return _variant((q, kv, w, table, lens, max_len, F32, F32, F32, None, out, False))
 
 
 def run_row(batch, next_n, heads, length, block, reps, variants, gen, timer=None):
