@@ -78,16 +78,12 @@ def test_prebuild_specs_cover_workloads():
 
 
 def _sass(cubin: bytes, tmp_path) -> tuple[str, str]:
-    import shutil
     import subprocess
-    import sys
-    from pathlib import Path
 
-    tool = shutil.which("cuobjdump") or str(
-        Path(sys.prefix) / "lib" / f"python{sys.version_info.major}."
-        f"{sys.version_info.minor}" / "site-packages/nvidia/cu13/bin/cuobjdump"
-    )
-    if not Path(tool).exists():
+    from jit_kernels.params import cuobjdump
+
+    tool = cuobjdump()
+    if tool is None:
         pytest.skip("cuobjdump not installed")
     path = tmp_path / "k.cubin"
     path.write_bytes(cubin)

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +25,7 @@ from flashinfer_jit.qsa import (
 )
 from flashinfer_jit.qsa import warmup as qsa_warmup
 from flashinfer_jit.qsa.checks import HEAD_DIMS
+from jit_kernels.params import cuobjdump
 
 TOL = 5e-3
 
@@ -342,18 +341,6 @@ def test_split_count_and_specs():
 
 
 # -- CPU: the kernels compile for every shipped arch, without spills ------------------------------
-def _cuobjdump() -> str | None:
-    try:
-        import nvidia.cu13
-
-        local = Path(list(nvidia.cu13.__path__)[0]) / "bin" / "cuobjdump"
-        if local.exists():
-            return str(local)
-    except ImportError:
-        pass
-    return shutil.which("cuobjdump")
-
-
 # Beyond the shipped specializations: cluster sizes and slot caps the dispatcher does not
 # use (group, head dim, cluster, slot cap), and the alternatives of tools/bench_qsa.py
 # --lean (slot-pass entries per thread; 3-stage bulk clusters).
@@ -381,7 +368,7 @@ def test_kernels_compile_without_spills(arch, tmp_path):
     from flashinfer_jit._jit import TEMPLATE_ROOT
     from jit_kernels import compile_cubin, render
 
-    tool = _cuobjdump()
+    tool = cuobjdump()
     for spec in _checked_specs():
         kernel = compile_cubin(render(spec, TEMPLATE_ROOT), arch)
         assert kernel.cubin and kernel.entry

@@ -187,10 +187,9 @@ def test_loop_forms_compile_without_spills(tmp_path):
     pytest.importorskip("cuda.bindings.nvrtc")
     from flashinfer_jit._jit import TEMPLATE_ROOT
     from jit_kernels import compile_cubin, render
+    from jit_kernels.params import cuobjdump
 
-    from .test_qsa import _cuobjdump
-
-    tool = _cuobjdump()
+    tool = cuobjdump()
     for group, d, bulk, tmma, lean in FORMS:
         config = qk.default_config(d, 0, bulk)
         family, params = qk.decode_plan(group, d, 0, False, bulk, config, tmma, lean)
