@@ -8,7 +8,8 @@ import re
 
 import torch
 
-DEFAULT_OFFLINE_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+# sm_107a (Rubin) is compiled for, never run here: NVRTC 13 lists it (nvrtcGetSupportedArchs).
+DEFAULT_OFFLINE_ARCHS = ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
 ARCH_ENV = "FLASHINFER_JIT_ARCHS"
 
 
@@ -19,7 +20,7 @@ def arch_for_capability(major: int, minor: int) -> str:
     which the wgmma/tcgen05 instructions need; a cubin for one is never loaded on
     another capability, which the cache layout (one folder per arch) reflects.
     """
-    if (major, minor) in ((9, 0), (10, 0), (10, 3)):
+    if (major, minor) in ((9, 0), (10, 0), (10, 3), (10, 7)):
         return f"sm_{major}{minor}a"
     return f"sm_{major}{minor}"
 
@@ -72,7 +73,7 @@ def parse_arch_list(text: str) -> tuple[str, ...]:
 
 def target_archs(explicit: str | None = None) -> tuple[str, ...]:
     """Archs to build for: explicit list, else $FLASHINFER_JIT_ARCHS, else the
-    visible GPUs' archs, else the offline default (sm_90a, sm_100a, sm_103a)."""
+    visible GPUs' archs, else the offline default (DEFAULT_OFFLINE_ARCHS)."""
     if explicit is not None:
         return parse_arch_list(explicit)
     env = os.environ.get(ARCH_ENV)

@@ -117,6 +117,15 @@ def build_all(
             yield future.result()
 
 
+def kernel_counts(tasks: Iterable[BuildTask]) -> list[tuple[str, str, int]]:
+    """(group, arch, kernels) rows, sorted: what ``prebuild --dry-run`` prints, computed
+    from the task list alone (nothing rendered, compiled or read from the cache)."""
+    counts: dict[tuple[str, str], int] = {}
+    for task in tasks:
+        counts[(task.group, task.arch)] = counts.get((task.group, task.arch), 0) + 1
+    return [(group, arch, n) for (group, arch), n in sorted(counts.items())]
+
+
 def build_native(output: Path | None) -> tuple[str, str]:
     """(status, detail) of building the compiled launcher (jit_kernels.native) into
     ``output`` (a bundle) or the cache, and importing it: "built", "cached", "skipped" (no C
