@@ -118,12 +118,16 @@ def build_all(
 
 
 def kernel_counts(tasks: Iterable[BuildTask]) -> list[tuple[str, str, int]]:
-    """(group, arch, kernels) rows, sorted: what ``prebuild --dry-run`` prints, computed
-    from the task list alone (nothing rendered, compiled or read from the cache)."""
+    """(group, arch, kernels) rows: what ``prebuild --dry-run`` prints, computed from the
+    task list alone (nothing rendered, compiled or read from the cache). Groups and archs
+    keep the order they first appear in (the archs as asked for: sm_90a before sm_100a)."""
     counts: dict[tuple[str, str], int] = {}
     for task in tasks:
         counts[(task.group, task.arch)] = counts.get((task.group, task.arch), 0) + 1
-    return [(group, arch, n) for (group, arch), n in sorted(counts.items())]
+    groups = {g: i for i, g in enumerate(dict.fromkeys(g for g, _ in counts))}
+    archs = {a: i for i, a in enumerate(dict.fromkeys(a for _, a in counts))}
+    order = sorted(counts, key=lambda row: (groups[row[0]], archs[row[1]]))
+    return [(group, arch, counts[(group, arch)]) for group, arch in order]
 
 
 def build_native(output: Path | None) -> tuple[str, str]:
