@@ -61,3 +61,27 @@ def test_dry_run_prints_counts_and_compiles_nothing(capsys, tmp_path, monkeypatc
 def test_every_default_arch_gets_kernels(op):
     archs = {t.arch for t in cli._tasks([op], DEFAULT_OFFLINE_ARCHS, None)}
     assert archs == set(DEFAULT_OFFLINE_ARCHS)
+
+
+def test_profile_tool_reports_a_cold_build(tmp_path, monkeypatch, capsys):
+    """tools/profile_prebuild.py (docs/prebuild-time.md's figures) on sm_107a's two concat
+    kernels: counts, distinct inputs, per-op seconds and the JSON rows."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("cuda.bindings.nvrtc")
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(tmp_path / "cache"))
+    path = Path(__file__).resolve().parent.parent / "tools" / "profile_prebuild.py"
+    spec = importlib.util.spec_from_file_location("profile_prebuild", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "rows.json"
+    argv = ["profile_prebuild", "--ops", "mla_kv_pack", "--arch", "sm_107a", "-j", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--json", str(out)])
+    tool.main()
+    printed = capsys.readouterr().out
+    assert "2 kernels, 2 distinct compiler inputs" in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert [row[3] for row in rows] == ["compiled", "compiled"]
