@@ -13,7 +13,14 @@ from collections import defaultdict
 from pathlib import Path
 
 from jit_kernels import InsecureCacheError, target_archs
-from jit_kernels.prebuild import BuildResult, BuildTask, build_all, build_native, prebuild_cache
+from jit_kernels.prebuild import (
+    BuildResult,
+    BuildTask,
+    build_all,
+    build_native,
+    kernel_counts,
+    prebuild_cache,
+)
 
 from . import workload_format
 from ._jit import TEMPLATE_ROOT
@@ -123,6 +130,11 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
     ops = _ops(args.ops)
     archs = _archs(args.arch)
     tasks = _tasks(ops, archs, args.workloads)
+    if args.dry_run:  # before the cache is touched: a dry run writes nothing
+        rows = [list(row) for row in kernel_counts(tasks)]
+        print(table(["op", "arch", "kernels"], rows))
+        print(f"{len(tasks)} kernels for {', '.join(archs)} (dry run: nothing compiled)")
+        return 0
     output = _output(args.output)
     cache = prebuild_cache(__version__, output)
     cache.check_trusted()  # a folder others can write to is refused before the first write
@@ -157,7 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--arch",
         help="archs, e.g. sm_90a,sm_100a or '9.0a 10.0a' "
-        "(default: $FLASHINFER_JIT_ARCHS, else the GPUs', else sm_90a,sm_100a,sm_103a)",
+        "(default: $FLASHINFER_JIT_ARCHS, else the GPUs', else sm_90a,sm_100a,sm_103a,sm_107a)",
     )
     p.add_argument("--ops", help=f"comma-separated ops among {','.join(OPS)} (default: all)")
     p.add_argument(
@@ -168,6 +180,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--output", help="write a relocatable bundle here (for FLASHINFER_JIT_CUBIN_PATH)"
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the kernels per op and arch; compile none"
     )
     p.set_defaults(func=cmd_prebuild)
 

@@ -8,14 +8,23 @@ import re
 
 import torch
 
-DEFAULT_OFFLINE_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+# sm_107a (Rubin) is compiled for, never run here: NVRTC 13 lists it (nvrtcGetSupportedArchs).
+DEFAULT_OFFLINE_ARCHS = ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
 ARCH_ENV = "FLASHINFER_JIT_ARCHS"
 
 # Opt-in dynamic shared memory one block may use, per compute capability (CUDA C++
 # Programming Guide, "Technical Specifications per Compute Capability"). Launch configs
 # are sized from this table, not from the device, so prebuild (no GPU) picks the configs
 # a device will ask for; a GPU test checks the table against ``device_smem_per_block``.
-_SMEM_PER_BLOCK = {(8, 9): 101376, (9, 0): 232448, (10, 0): 232448, (10, 3): 232448}
+# sm_107a is compiled for but never run here: taken as the other cc 10.x parts' (checked by
+# the GPU test on the first device that has it).
+_SMEM_PER_BLOCK = {
+    (8, 9): 101376,
+    (9, 0): 232448,
+    (10, 0): 232448,
+    (10, 3): 232448,
+    (10, 7): 232448,
+}
 
 
 def arch_for_capability(major: int, minor: int) -> str:
@@ -25,7 +34,7 @@ def arch_for_capability(major: int, minor: int) -> str:
     which the wgmma/tcgen05 instructions need; a cubin for one is never loaded on
     another capability, which the cache layout (one folder per arch) reflects.
     """
-    if (major, minor) in ((9, 0), (10, 0), (10, 3)):
+    if (major, minor) in ((9, 0), (10, 0), (10, 3), (10, 7)):
         return f"sm_{major}{minor}a"
     return f"sm_{major}{minor}"
 
@@ -100,7 +109,7 @@ def parse_arch_list(text: str) -> tuple[str, ...]:
 
 def target_archs(explicit: str | None = None) -> tuple[str, ...]:
     """Archs to build for: explicit list, else $FLASHINFER_JIT_ARCHS, else the
-    visible GPUs' archs, else the offline default (sm_90a, sm_100a, sm_103a)."""
+    visible GPUs' archs, else the offline default (DEFAULT_OFFLINE_ARCHS)."""
     if explicit is not None:
         return parse_arch_list(explicit)
     env = os.environ.get(ARCH_ENV)

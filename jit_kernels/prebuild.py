@@ -117,6 +117,19 @@ def build_all(
             yield future.result()
 
 
+def kernel_counts(tasks: Iterable[BuildTask]) -> list[tuple[str, str, int]]:
+    """(group, arch, kernels) rows: what ``prebuild --dry-run`` prints, computed from the
+    task list alone (nothing rendered, compiled or read from the cache). Groups and archs
+    keep the order they first appear in (the archs as asked for: sm_90a before sm_100a)."""
+    counts: dict[tuple[str, str], int] = {}
+    for task in tasks:
+        counts[(task.group, task.arch)] = counts.get((task.group, task.arch), 0) + 1
+    groups = {g: i for i, g in enumerate(dict.fromkeys(g for g, _ in counts))}
+    archs = {a: i for i, a in enumerate(dict.fromkeys(a for _, a in counts))}
+    order = sorted(counts, key=lambda row: (groups[row[0]], archs[row[1]]))
+    return [(group, arch, counts[(group, arch)]) for group, arch in order]
+
+
 def build_native(output: Path | None) -> tuple[str, str]:
     """(status, detail) of building the compiled launcher (jit_kernels.native) into
     ``output`` (a bundle) or the cache, and importing it: "built", "cached", "skipped" (no C
