@@ -24,19 +24,38 @@ def plan_cake(tokens: int, heads: int, sms: int) -> int:
     return tuned if tuned is not None else cake.plan_head_group(tokens, heads, sms)
 
 
-# ``auto``'s policy, per compute capability, from kernel times (tools/bench_mla_kv_pack.py,
-# back-to-back calls in CUDA graphs, median of interleaved rounds; BENCHMARKS.md).
-# sm_90 (H200, measured): the specialized kernel wins with one head at every token count
-# (its warp-per-token layout; 131072 x 1: 37.3 vs 43.7 µs) and for calls of at most 16
-# tokens (16 x 128: 2.21 vs 2.30 µs); cake wins or ties (within 2.5 %) everywhere else.
+# ``auto``'s policy, per compute capability, from kernel times.
+# sm_90 (H200, measured): ``specialized`` first when any clause of ``SM90_SPECIALIZED``
+# covers the call, else ``cake``. A clause is (max tokens, max heads, max tokens x heads),
+# None for no bound. The clauses are derived by ``tools/mla_kv_pack_rule.py`` from
+# ``tools/bench_mla_kv_pack.py``'s serving measure (per call in a CUDA graph, inputs
+# cycled past 4x L2): the simplest rule that keeps ``auto`` within 3 % of the faster
+# backend at every measured point; ``docs/perf-log/mla_kv_pack_sm90_serving.json`` (when
+# committed) holds those points and a test checks this rule against them.
+# Until then: the rule from back-to-back calls over warm inputs (one head at every token
+# count; calls of at most 16 tokens).
+SM90_SPECIALIZED: tuple[tuple[int | None, int | None, int | None], ...] = (
+    (None, 1, None),
+    (16, None, None),
+)
+
+
+def covers(clause: tuple[int | None, int | None, int | None], tokens: int, heads: int) -> bool:
+    """Whether ``tokens`` x ``heads`` lies within every bound of ``clause``."""
+    max_tokens, max_heads, max_work = clause
+    return (
+        (max_tokens is None or tokens <= max_tokens)
+        and (max_heads is None or heads <= max_heads)
+        and (max_work is None or tokens * heads <= max_work)
+    )
+
+
 # sm_100/sm_103 (not measured here): the seed's rule from GB300/B200 numbers, the fully
 # unrolled specialized variant for 12 local heads and cake for every other head count.
-_SM90_SPECIALIZED_MAX_TOKENS = 16
-
-
 def _auto_first(tokens: int, heads: int, cap: tuple[int, int]) -> str:
     if cap == (9, 0):
-        return "specialized" if heads == 1 or tokens <= _SM90_SPECIALIZED_MAX_TOKENS else "cake"
+        hit = any(covers(c, tokens, heads) for c in SM90_SPECIALIZED)
+        return "specialized" if hit else "cake"
     return "specialized" if heads == 12 else "cake"
 
 
