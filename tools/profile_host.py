@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import flashinfer_jit.deep_gemm as deep_gemm  # noqa: E402
 import flashinfer_jit.mla_kv_pack as mkp  # noqa: E402
 import flashinfer_jit.qsa as qsa  # noqa: E402
 from flashinfer_jit import fp8_paged_mqa_logits, padded_seq_len  # noqa: E402
@@ -70,6 +71,8 @@ def rows(device: str) -> dict[str, Callable[[], object]]:
     """Row name -> one eager call."""
     mqa, mqa8000 = mqa_inputs(1, 8192, device), mqa_inputs(1, 8000, device)
     mqa_out = torch.empty(1, padded_seq_len(8192), device=device)
+    lens2d = mqa[4].view(1, 1)  # [B, next_n], as vLLM passes them
+    schedule = deep_gemm.get_paged_mqa_logits_metadata(lens2d, 64, deep_gemm.get_num_sms())
     qsa4, qsa512 = qsa_inputs(4, device), qsa_inputs(512, device)
     kv = torch.zeros(1, 16, 256, dtype=torch.bfloat16, device=device)
     pe = torch.zeros(1, 576, dtype=torch.bfloat16, device=device)[:, 512:]  # as serving passes it
@@ -80,6 +83,9 @@ def rows(device: str) -> dict[str, Callable[[], object]]:
         "mqa B=1 L=8192 out=None": lambda: fp8_paged_mqa_logits(*mqa, 8192),
         "mqa B=1 L=8192 out=given": lambda: fp8_paged_mqa_logits(*mqa, 8192, out=mqa_out),
         "mqa B=1 L=8000 out=None (a view)": lambda: fp8_paged_mqa_logits(*mqa8000, 8000),
+        "mqa B=1 via deep_gemm, 2-D lens": lambda: deep_gemm.fp8_paged_mqa_logits(
+            mqa[0], mqa[1], mqa[2], lens2d, mqa[3], schedule, 8192
+        ),
         "qsa attention rows=4 (cluster)": lambda: qsa.qsa_sparse_paged_attention(*qsa4),
         "qsa attention rows=512 (slots+1 pass)": lambda: qsa.qsa_sparse_paged_attention(*qsa512),
         "qsa decode rows=4 (slots+1 pass)": lambda: qsa.qsa_sparse_paged_decode(*qsa4),
@@ -136,7 +142,7 @@ def install_stub() -> None:
             for attr, fake in fakes.items():
                 if hasattr(module, attr):
                     setattr(module, attr, fake)
-    for op in OPS.values():  # the kernels serve CPU tensors: no CUDA-device test, no refusal
+    for op in (*OPS.values(), deep_gemm.OP):  # kernels serve CPU tensors: no device test
         op.kernel_call, op.refusal = (lambda args: True), (lambda args: None)
 
 
