@@ -513,20 +513,20 @@ def test_plans_follow_the_tuned_table(monkeypatch):
     assert mkp.plan_cake(1, 16, 132) == cake.plan_head_group(1, 16, 132)
 
 
-def test_auto_policy_per_arch(monkeypatch):
-    # sm_90: specialized first exactly where a clause of SM90_SPECIALIZED covers the call.
-    monkeypatch.setattr(heuristics, "SM90_SPECIALIZED", ((None, 1, None), (16, None, None)))
+def test_auto_policy_per_arch():
+    # sm_90: the entry of the largest head count at most the call's decides.
+    table = ((1, None), (2, 64), (16, 8))
+    first = lambda t, h: heuristics.specialized_first(table, t, h)  # noqa: E731
+    assert all(first(t, 1) for t in (1, 16384, 131072))
+    assert first(64, 2) and first(64, 15) and not first(65, 2) and not first(65, 15)
+    assert first(8, 16) and first(8, 128) and not first(9, 16)
+    assert not heuristics.specialized_first((), 1, 1)  # no entry: cake everywhere
+    # The shipped table: one head always specialized, large calls cake.
     for tokens in (1, 1024, 16384, 131072):
         assert mkp.auto_order(tokens, 1, (9, 0)) == ("specialized", "cake")
     assert mkp.auto_order(16, 128, (9, 0))[0] == mkp.auto_order(1, 16, (9, 0))[0] == "specialized"
     for heads in (2, 12, 16, 128):
-        for tokens in (17, 64, 1024, 16384, 131072):
-            assert mkp.auto_order(tokens, heads, (9, 0))[0] == "cake"
-    monkeypatch.setattr(heuristics, "SM90_SPECIALIZED", ((64, 16, 512),))  # all three bounds
-    assert mkp.auto_order(32, 16, (9, 0))[0] == "specialized"  # 512 = 32 x 16
-    assert mkp.auto_order(64, 16, (9, 0))[0] == mkp.auto_order(2, 32, (9, 0))[0] == "cake"
-    monkeypatch.setattr(heuristics, "SM90_SPECIALIZED", ())
-    assert mkp.auto_order(1, 1, (9, 0))[0] == "cake"
+        assert mkp.auto_order(16384, heads, (9, 0))[0] == "cake"
     # sm_100/sm_103: the seed's rule (specialized for 12 local heads), whatever sm_90's is.
     for cap in ((10, 0), (10, 3)):
         assert mkp.auto_order(1, 12, cap) == ("specialized", "cake")
@@ -556,7 +556,7 @@ def test_sm90_rule_agrees_with_the_measured_points():
     assert len(points) >= 50, "the sweep covers tokens 1..131072 x heads 1..128"
     first = lambda t, h: mkp.auto_order(t, h, (9, 0))[0]  # noqa: E731
     bad = rule.violations(points, first, header["tolerance"])
-    assert not bad, "heuristics.SM90_SPECIALIZED disagrees with the measurement:\n" + "\n".join(bad)
+    assert not bad, "heuristics.SM90_SPECIALIZED_MAX_TOKENS disagrees with the measurement:\n" + "\n".join(bad)
 
 
 def _synthetic(rule, spec_wins) -> list:
@@ -577,13 +577,14 @@ def _synthetic(rule, spec_wins) -> list:
 @pytest.mark.parametrize(
     "truth, expected",
     [
-        (lambda t, h: h == 1 or t <= 32, ((None, 1, None), (32, None, None))),
-        (lambda t, h: t * h <= 2048, ((None, None, 2048),)),
-        (lambda t, h: t <= 256 and h <= 16, ((256, 16, None),)),
-        (lambda t, h: False, ()),
+        (lambda t, h: h == 1 or t <= 32, ((1, None), (2, 32))),
+        (lambda t, h: t * h <= 2048, ((1, 1024), (4, 512), (8, 256), (12, 128), (32, 64),
+                                      (64, 32), (128, 16))),
+        (lambda t, h: h in (1, 4) or t <= 256, ((1, None), (2, 256), (4, None), (8, 256))),
+        (lambda t, h: False, ((1, 0),)),
     ],
-)
-def test_rule_derivation_finds_the_simplest_rule(truth, expected):
+)  # fmt: skip
+def test_rule_derivation_finds_each_head_counts_threshold(truth, expected):
     rule = _rule_tool()
     points = _synthetic(rule, truth)
     derived = rule.derive(points)
@@ -592,18 +593,15 @@ def test_rule_derivation_finds_the_simplest_rule(truth, expected):
     # The check can fail: the opposite rule, and a threshold one step off, are caught.
     opposite = lambda t, h: "cake" if rule.pick(derived, t, h) == "specialized" else "specialized"  # noqa: E731
     assert rule.violations(points, opposite)
-    if derived:
-        off = tuple(tuple(None if b is None else b // 2 for b in c) for c in derived)
-        assert rule.violations(points, lambda t, h: rule.pick(off, t, h))
+    off = tuple((h, 4 * t if t else 1) for h, t in derived)  # None and 0 -> 1
+    assert rule.violations(points, lambda t, h: rule.pick(off, t, h))
 
 
-def test_rule_derivation_staircase_and_no_rule(tmp_path):
+def test_rule_derivation_no_threshold_and_points_file(tmp_path):
     rule = _rule_tool()
-    stair = _synthetic(rule, lambda t, h: (t <= 64 and h <= 8) or (t <= 16 and h <= 32) or h == 1)
-    derived = rule.derive(stair)
-    assert len(derived) == 3 and not rule.violations(stair, lambda t, h: rule.pick(derived, t, h))
-    with pytest.raises(ValueError, match="1024x2"):  # specialized needed only at large calls
-        rule.derive(_synthetic(rule, lambda t, h: t >= 1024 and h == 2))
+    with pytest.raises(ValueError, match="at 2 heads"):  # specialized only in the middle
+        rule.derive(_synthetic(rule, lambda t, h: h == 2 and 64 <= t <= 1024))
+    stair = _synthetic(rule, lambda t, h: t <= 64)
     path = tmp_path / "points.json"
     rule.write_points(stair, {"device": "test"}, path)
     again, header = rule.load_points(path)

@@ -328,8 +328,10 @@ def serving_sweep(tokens: list[int], heads: list[int], json_path: str | None) ->
     ]
     if torch.cuda.get_device_capability() != (9, 0) or not points:
         return  # the rule is sm_90's
-    now = rule.violations(points, lambda t, h: rule.pick(heuristics.SM90_SPECIALIZED, t, h))
-    print(f"\nheuristics.SM90_SPECIALIZED: {len(now)} of {len(points)} points over 3 %")
+    now = rule.violations(
+        points, lambda t, h: rule.pick(heuristics.SM90_SPECIALIZED_MAX_TOKENS, t, h)
+    )
+    print(f"\nheuristics.SM90_SPECIALIZED_MAX_TOKENS: {len(now)} of {len(points)} points over 3 %")
     for line in now:
         print(f"  {line}")
     try:

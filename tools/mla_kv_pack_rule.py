@@ -1,22 +1,21 @@
 """Derive the sm_90 ``auto`` rule of concat_mla_kv_quant_fp8 from measured kernel times.
 
-    python tools/mla_kv_pack_rule.py RESULTS.json [--tolerance 0.03] [--write POINTS.json]
+    python tools/mla_kv_pack_rule.py RESULTS.json [--tolerance 0.03] [--write [POINTS.json]]
 
 RESULTS is ``tools/bench_mla_kv_pack.py --json`` output (its serving measure) or a points
-file this tool wrote. A rule is what ``heuristics.SM90_SPECIALIZED`` holds: clauses of
-upper bounds (max tokens, max heads, max tokens x heads, None for no bound); ``auto``
-tries ``specialized`` first when a clause covers the call, else ``cake``. The tool prints
-the simplest rule (fewest bounds, then fewest clauses; ties: the smallest worst and then
-mean ratio) under which the picked backend is within the tolerance of the faster one at
-every measured point, as code to paste, and checks the rule heuristics.py holds now.
-``--write`` stores the points compactly (the file tests/test_mla_kv_pack.py checks the
-committed rule against).
+file this tool wrote. The rule is what ``heuristics.SM90_SPECIALIZED_MAX_TOKENS`` holds:
+from each head count on (up to the next entry), the most tokens a call may have for
+``auto`` to try ``specialized`` first (None: any), else ``cake``. Per measured head count
+the tool takes the token threshold that keeps the picked backend within the tolerance of
+the faster one at every measured token count (the smallest worst ratio; ties: the larger
+threshold), merges neighbours with equal thresholds, prints the table as code to paste,
+and checks the table heuristics.py holds now. ``--write`` stores the points compactly (the
+file tests/test_mla_kv_pack.py checks the committed table against).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashinfer_jit.mla_kv_pack import heuristics  # noqa: E402
 
-Clause = tuple[int | None, int | None, int | None]  # max tokens, max heads, max work
+Table = tuple[tuple[int, int | None], ...]  # (from this head count, max tokens or None)
 TOLERANCE = 0.03
 POINTS_FILE = Path(__file__).resolve().parent.parent / "docs/perf-log/mla_kv_pack_sm90_serving.json"
 
@@ -59,9 +58,8 @@ def load_points(path: Path) -> tuple[list[Point], dict]:
     return points, {k: v for k, v in data.items() if k != "rows"}
 
 
-def pick(clauses: tuple[Clause, ...], tokens: int, heads: int) -> str:
-    hit = any(heuristics.covers(c, tokens, heads) for c in clauses)
-    return "specialized" if hit else "cake"
+def pick(table: Table, tokens: int, heads: int) -> str:
+    return "specialized" if heuristics.specialized_first(table, tokens, heads) else "cake"
 
 
 def violations(points: list[Point], choose, tolerance: float = TOLERANCE) -> list[str]:
@@ -77,118 +75,50 @@ def violations(points: list[Point], choose, tolerance: float = TOLERANCE) -> lis
     return out
 
 
-def _safe_clauses(points: list[Point], unsafe: int) -> dict[int, Clause]:
-    """Cover mask -> the clause with the fewest bounds covering exactly those points, for
-    every clause whose bounds are measured values and that covers no point where
-    specialized is over the tolerance."""
+def _threshold(points: list[Point], tolerance: float) -> int | None:
+    """The token threshold for one head count's points (0: cake at every one)."""
+    tokens = sorted(p.tokens for p in points)
 
-    def masks(values, key) -> dict[int | None, int]:
-        out = {None: (1 << len(points)) - 1}
-        for v in values:
-            out[v] = sum(1 << i for i, p in enumerate(points) if key(p) <= v)
-        return out
+    def worst(limit: int | None) -> float:
+        return max(p.ratio(pick(((1, limit),), p.tokens, 1)) for p in points)
 
-    tok = masks(sorted({p.tokens for p in points}), lambda p: p.tokens)
-    hd = masks(sorted({p.heads for p in points}), lambda p: p.heads)
-    work = masks(sorted({p.tokens * p.heads for p in points}), lambda p: p.tokens * p.heads)
-    best: dict[int, Clause] = {}
-    for (t, mt), (h, mh), (w, mw) in itertools.product(tok.items(), hd.items(), work.items()):
-        mask = mt & mh & mw
-        if mask & unsafe:
-            continue
-        clause = (t, h, w)
-        if mask not in best or _cost((clause,)) < _cost((best[mask],)):
-            best[mask] = clause
-    return best
+    candidates = [0, *tokens[:-1], None]  # None: specialized at every measured count
+    valid = [t for t in candidates if worst(t) <= 1 + tolerance]
+    if not valid:
+        best = min(candidates, key=worst)
+        bad = violations(points, lambda t, h: pick(((1, best),), t, 1), tolerance)
+        raise ValueError(f"no token threshold at {points[0].heads} heads: " + "; ".join(bad))
+    return min(valid, key=lambda t: (worst(t), -(t if t is not None else 1 << 40)))
 
 
-def _cost(clauses: tuple[Clause, ...]) -> tuple[int, int]:
-    # Simplicity: bounds first (a bound is one comparison), then clauses.
-    return sum(b is not None for c in clauses for b in c), len(clauses)
+def derive(points: list[Point], tolerance: float = TOLERANCE) -> Table:
+    """The table keeping every point within ``tolerance`` (ValueError naming the points of
+    a head count no threshold serves)."""
+    table: list[tuple[int, int | None]] = []
+    for heads in sorted({p.heads for p in points}):
+        limit = _threshold([p for p in points if p.heads == heads], tolerance)
+        if not table or table[-1][1] != limit:
+            table.append((heads, limit))
+    return tuple(table)
 
 
-def _score(points: list[Point], clauses: tuple[Clause, ...]) -> tuple[float, float]:
-    ratios = [p.ratio(pick(clauses, p.tokens, p.heads)) for p in points]
+def _score(points: list[Point], table: Table) -> tuple[float, float]:
+    ratios = [p.ratio(pick(table, p.tokens, p.heads)) for p in points]
     return max(ratios, default=1.0), sum(ratios) / max(1, len(ratios))
 
 
-def derive(points: list[Point], tolerance: float = TOLERANCE) -> tuple[Clause, ...]:
-    """The simplest rule keeping every point within ``tolerance``; ValueError if none
-    with upper bounds exists (the message names the conflicting points)."""
-    full = (1 << len(points)) - 1
-    spec_ok = sum(1 << i for i, p in enumerate(points) if p.ratio("specialized") <= 1 + tolerance)
-    cake_ok = sum(1 << i for i, p in enumerate(points) if p.ratio("cake") <= 1 + tolerance)
-    required, unsafe = full & ~cake_ok, full & ~spec_ok
-    if not required:
-        return ()  # cake everywhere: no bound at all
-    useful = [(m, c) for m, c in _safe_clauses(points, unsafe).items() if m & required]
-    useful.sort(key=lambda mc: _cost((mc[1],)))
-    rules = [(c,) for m, c in useful if m & required == required]
-    # Pairs only while they can tie the cheapest rule found: bounds add up, and ``useful``
-    # is in ascending bounds, so the inner loop stops at the first pair over the limit.
-    limit = min((_cost(r) for r in rules), default=(99, 99))
-    bounds = [_cost((c,))[0] for _, c in useful]
-    for i, (m1, c1) in enumerate(useful):
-        for j in range(i + 1, len(useful)):
-            if (bounds[i] + bounds[j], 2) > limit:
-                break
-            if (m1 | useful[j][0]) & required == required:
-                rules.append((c1, useful[j][1]))
-    if not rules:
-        return _greedy(points, required, useful)
-    cheapest = min(_cost(r) for r in rules)
-    return min((r for r in rules if _cost(r) == cheapest), key=lambda r: _score(points, r))
-
-
-def _greedy(points: list[Point], required: int, useful: list[tuple[int, Clause]]):
-    """No rule of two clauses: cover the points only specialized serves with the clause
-    covering most of them, repeatedly, then drop clauses the others make redundant (not
-    minimal, but a valid rule)."""
-    chosen: list[tuple[int, Clause]] = []
-    left = required
-    while left:
-        best = max(useful, key=lambda mc: (bin(mc[0] & left).count("1"), -_cost((mc[1],))[0]),
-                   default=(0, ()))  # fmt: skip
-        if not best[0] & left:
-            stuck = [f"{p.tokens}x{p.heads}" for i, p in enumerate(points) if left >> i & 1]
-            raise ValueError(
-                "no rule of upper bounds: specialized is needed at "
-                f"{', '.join(stuck)}, yet over the tolerance at a call no larger in tokens and heads"
-            )
-        chosen.append(best)
-        left &= ~best[0]
-    for item in list(chosen):
-        rest = [m for m, c in chosen if (m, c) != item]
-        if required & ~_union(rest) == 0:
-            chosen.remove(item)
-    return tuple(c for _, c in chosen)
-
-
-def _union(masks: list[int]) -> int:
-    out = 0
-    for m in masks:
-        out |= m
-    return out
-
-
-def _describe(clause: Clause) -> str:
-    names = ("tokens", "heads", "tokens*heads")
-    parts = [f"{n} <= {b}" for n, b in zip(names, clause, strict=True) if b is not None]
-    return " and ".join(parts) or "always"
-
-
-def render(clauses: tuple[Clause, ...], points: list[Point], header: dict) -> str:
-    """The rule as code for heuristics.py, with its measured worst case."""
-    worst, mean = _score(points, clauses)
-    at = max(points, key=lambda p: p.ratio(pick(clauses, p.tokens, p.heads)))
+def render(table: Table, points: list[Point], header: dict) -> str:
+    """The table as code for heuristics.py, with its measured worst case."""
+    worst, mean = _score(points, table)
+    at = max(points, key=lambda p: p.ratio(pick(table, p.tokens, p.heads)))
     lines = [
-        f"# sm_90 rule from {len(points)} points measured on {header.get('device', '?')}"
+        f"# sm_90 table from {len(points)} points measured on {header.get('device', '?')}"
         f" ({header.get('measure', 'serving measure')}):",
         f"# worst auto/faster {worst:.3f} at {at.tokens}x{at.heads}, mean {mean:.4f}.",
-        "SM90_SPECIALIZED: tuple[tuple[int | None, int | None, int | None], ...] = (",
+        "SM90_SPECIALIZED_MAX_TOKENS: tuple[tuple[int, int | None], ...] = (",
     ]
-    lines += [f"    {tuple(c)!r},  # {_describe(c)}" for c in clauses]
-    lines.append(")" if clauses else "    # none: cake first everywhere\n)")
+    lines += [f"    {entry!r}," for entry in table]
+    lines.append(")")
     return "\n".join(lines)
 
 
@@ -220,8 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     if not points:
         print("no point has both backends measured", file=sys.stderr)
         return 1
-    now = violations(points, lambda t, h: pick(heuristics.SM90_SPECIALIZED, t, h), args.tolerance)
-    print(f"heuristics.SM90_SPECIALIZED now: {len(now)} of {len(points)} points over the tolerance")
+    held = heuristics.SM90_SPECIALIZED_MAX_TOKENS
+    now = violations(points, lambda t, h: pick(held, t, h), args.tolerance)
+    print(
+        f"heuristics.SM90_SPECIALIZED_MAX_TOKENS now: {len(now)} of {len(points)} points over the tolerance"
+    )
     for line in now:
         print(f"  {line}")
     try:

@@ -254,7 +254,7 @@ def sweep(tokens: list[int], heads: list[int], json_path: str | None) -> list[di
         "measure": MEASURE,
         "l2_bytes": cold // 4,
         "rounds": ROUNDS,
-        "sm90_specialized": heuristics.SM90_SPECIALIZED,
+        "sm90_specialized": heuristics.SM90_SPECIALIZED_MAX_TOKENS,
         "cake_programs": cake_programs(),
     }
     print(f"device: {header['device']}  torch {header['torch']}  cycle/evict {cold >> 20} MiB")

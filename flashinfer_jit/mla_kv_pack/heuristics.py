@@ -25,36 +25,42 @@ def plan_cake(tokens: int, heads: int, sms: int) -> int:
 
 
 # ``auto``'s policy, per compute capability, from kernel times.
-# sm_90 (H200, measured): ``specialized`` first when any clause of ``SM90_SPECIALIZED``
-# covers the call, else ``cake``. A clause is (max tokens, max heads, max tokens x heads),
-# None for no bound. The clauses are derived by ``tools/mla_kv_pack_rule.py`` from
-# ``tools/bench_mla_kv_pack.py``'s serving measure (per call in a CUDA graph, inputs
-# cycled past 4x L2): the simplest rule that keeps ``auto`` within 3 % of the faster
-# backend at every measured point; ``docs/perf-log/mla_kv_pack_sm90_serving.json`` (when
-# committed) holds those points and a test checks this rule against them.
-# Until then: the rule from back-to-back calls over warm inputs (one head at every token
-# count; calls of at most 16 tokens).
-SM90_SPECIALIZED: tuple[tuple[int | None, int | None, int | None], ...] = (
-    (None, 1, None),
-    (16, None, None),
+# sm_90 (H200, measured 2026-12-02): per call in a CUDA graph, inputs cycled past 4x L2
+# (tools/bench_mla_kv_pack.py's serving measure; the points are in
+# docs/perf-log/mla_kv_pack_sm90_serving.json and a CPU test checks this table against
+# them; tools/mla_kv_pack_rule.py derives it). From each head count on (up to the next
+# entry), the most tokens a call may have for ``specialized`` to go first (None: any),
+# else ``cake``. specialized wins at one and four heads at every token count (its
+# warp-per-token layout: 65536 x 1 19.8 against cake's 23.0 us, 16384 x 4 16.6 against
+# 17.7) and for small calls; cake wins once a call moves enough bytes (128 x 128 5.27
+# against 5.53 us). Worst auto/faster over 132 points: 1.027 (4096 x 4).
+SM90_SPECIALIZED_MAX_TOKENS: tuple[tuple[int, int | None], ...] = (
+    (1, None),
+    (2, 4096),
+    (4, None),
+    (8, 1024),
+    (12, 512),
+    (32, 128),
+    (128, 64),
 )
 
 
-def covers(clause: tuple[int | None, int | None, int | None], tokens: int, heads: int) -> bool:
-    """Whether ``tokens`` x ``heads`` lies within every bound of ``clause``."""
-    max_tokens, max_heads, max_work = clause
-    return (
-        (max_tokens is None or tokens <= max_tokens)
-        and (max_heads is None or heads <= max_heads)
-        and (max_work is None or tokens * heads <= max_work)
-    )
+def specialized_first(table: tuple[tuple[int, int | None], ...], tokens: int, heads: int) -> bool:
+    """Whether ``table`` (as SM90_SPECIALIZED_MAX_TOKENS) sends tokens x heads to
+    specialized first: the entry of the largest head count at most ``heads`` decides."""
+    limit: int | None = 0
+    for first_heads, max_tokens in table:
+        if heads < first_heads:
+            break
+        limit = max_tokens
+    return limit is None or tokens <= limit
 
 
 # sm_100/sm_103 (not measured here): the seed's rule from GB300/B200 numbers, the fully
 # unrolled specialized variant for 12 local heads and cake for every other head count.
 def _auto_first(tokens: int, heads: int, cap: tuple[int, int]) -> str:
     if cap == (9, 0):
-        hit = any(covers(c, tokens, heads) for c in SM90_SPECIALIZED)
+        hit = specialized_first(SM90_SPECIALIZED_MAX_TOKENS, tokens, heads)
         return "specialized" if hit else "cake"
     return "specialized" if heads == 12 else "cake"
 
