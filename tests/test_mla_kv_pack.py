@@ -556,7 +556,9 @@ def test_sm90_rule_agrees_with_the_measured_points():
     assert len(points) >= 50, "the sweep covers tokens 1..131072 x heads 1..128"
     first = lambda t, h: mkp.auto_order(t, h, (9, 0))[0]  # noqa: E731
     bad = rule.violations(points, first, header["tolerance"])
-    assert not bad, "heuristics.SM90_SPECIALIZED_MAX_TOKENS disagrees with the measurement:\n" + "\n".join(bad)
+    assert not bad, (
+        "heuristics.SM90_SPECIALIZED_MAX_TOKENS disagrees with the measurement:\n" + "\n".join(bad)
+    )
 
 
 def _synthetic(rule, spec_wins) -> list:
