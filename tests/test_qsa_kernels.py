@@ -138,11 +138,14 @@ def test_bulk_row_layout_is_conflict_free():
 @pytest.mark.parametrize("hq, hkv, d, topk", [(64, 4, 128, 2048), (32, 8, 128, 4096),
                                               (16, 2, 64, 300), (8, 1, 128, 0)])  # fmt: skip
 @pytest.mark.parametrize("combined", [True, False])
+@pytest.mark.parametrize("least", [qk.DECODE_MIN_PROGRAMS_SM90, qk.DECODE_MIN_PROGRAMS])
 @pytest.mark.usefixtures("qsa_stub")
-def test_warmup_plans_are_what_the_dispatcher_launches(monkeypatch, hq, hkv, d, topk, combined):
-    """Over every row count below the crossover (and one above): the kernels
-    ``_decode_launch`` picks are exactly dispatch_plans (warm-up), all within all_specs
-    (prebuild)."""
+def test_warmup_plans_are_what_the_dispatcher_launches(
+    monkeypatch, hq, hkv, d, topk, combined, least
+):
+    """Over every row count below the crossover ``least`` (sm_90's and the other archs')
+    and one above: the kernels ``_decode_launch`` picks are exactly dispatch_plans
+    (warm-up), all within all_specs (prebuild)."""
     monkeypatch.setattr(qsa_plan, "capability", lambda device: (9, 0))
     seen = set()
     kernel = FakeKernel([])
@@ -151,11 +154,11 @@ def test_warmup_plans_are_what_the_dispatcher_launches(monkeypatch, hq, hkv, d, 
     entries, forms = shipped.slot_entries, (shipped.tmma, shipped.lean)
     clusters = H200
     plans = qsa_warmup.dispatch_plans(
-        hq // hkv, d, 64, hkv, topk, combined and d == 128, SMS, entries, clusters, *forms
+        hq // hkv, d, 64, hkv, topk, combined and d == 128, SMS, entries, clusters, *forms, least
     )
-    for rows in range(1, -(-qk.DECODE_MIN_PROGRAMS // hkv) + 1):
+    for rows in range(1, -(-least // hkv) + 1):
         args = qsa_args(rows=rows, hq=hq, hkv=hkv, d=d, page=64, topk=topk, combined=combined)
-        splits, config, pair = qk.launch_split(rows, hkv, topk, d, SMS, clusters)
+        splits, config, pair = qk.launch_split(rows, hkv, topk, d, SMS, clusters, least)
         decode_launch(tuple(args.values()), shipped, Variant(splits, None, config, None, pair))
     assert seen == set(plans)
     prebuilt = {s.label for s in qsa_warmup.all_specs(hq // hkv, d, 64, entries, *forms)}
