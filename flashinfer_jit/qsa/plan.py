@@ -204,6 +204,10 @@ def use_fp8_decode_kernel(
     if device is None and torch.cuda.is_available():
         device = torch.cuda.current_device()
     least = DECODE_MIN_PROGRAMS if device is None else decode_min_programs(capability(device))
+    return _single_pass(base_programs, cache_dtype, least)
+
+
+def _single_pass(base_programs: int, cache_dtype: torch.dtype, least: int) -> bool:
     return cache_dtype in FP8_CACHE_DTYPES and base_programs >= least
 
 
@@ -212,9 +216,9 @@ def dispatch_split(
 ) -> Variant:
     """The dispatcher's variant for a call: 1 split (the single pass) from the device's
     crossover on, else kernels.launch_split on this device's SMs and clusters."""
-    if use_fp8_decode_kernel(rows * num_kv_heads, cache_dtype, device):
+    least = decode_min_programs(capability(device))
+    if _single_pass(rows * num_kv_heads, cache_dtype, least):
         return Variant()
     sms, clusters = sm_count(device), wave_clusters(device)
-    least = decode_min_programs(capability(device))
     splits, config, pair = launch_split(rows, num_kv_heads, topk, head_dim, sms, clusters, least)
     return Variant(splits, None, config, None, pair)
