@@ -168,8 +168,8 @@ def test_fast_path_replays_the_full_path(monkeypatch, request):
     class Kernel:
         name = "fake"
 
-        def launch(self, grid, block, stream, args, smem):
-            calls.append((grid, block, args, smem))
+        def bind(self, grid, block, smem, programmatic):
+            return lambda stream, args: calls.append((grid, block, args, smem))
 
     plan = KernelPlan(Kernel(), (7, 1, 1), (288, 1, 1), 1234)
     monkeypatch.setattr(mq.OP, "kernel_call", lambda args: True)

@@ -45,6 +45,9 @@ class FakeKernel:
 
     launch_programmatic = launch  # programmatic (PDL) launches, recorded alike
 
+    def bind(self, grid, block, smem=0, programmatic=False):
+        return lambda stream, args: self.launch(grid, block, stream, args, smem)
+
     def blocks_per_sm(self, threads, smem=0):
         return 1
 

@@ -41,19 +41,20 @@ from jit_kernels import KernelFamily, LoadedKernel, native  # noqa: E402
 
 # -- the CPU stub ------------------------------------------------------------------------------
 class StubKernel(LoadedKernel):
-    """A loaded kernel whose launch packs the arguments and stops short of the driver."""
+    """A loaded kernel whose launches pack the arguments and stop short of the driver."""
 
     def __init__(self, family: KernelFamily, params: tuple):
         self.name, self.device, self.packer = f"stub {family.family}{params}", 0, family.packer
         self._library = None
         # The launch path a GPU machine takes: the native launcher where it can be had
-        # (FLASHINFER_JIT_NATIVE_LAUNCH), else cuda-python; stubs return success.
+        # (FLASHINFER_JIT_NATIVE_LAUNCH), its driver calls made no-ops; else cuda-python's,
+        # stubbed to return success.
         launcher = native.launcher()
-        self._bind(None, None)
+        if launcher is not None:
+            launcher.use_null_driver()
+        self._bind(None, launcher)
         self._smem_limit = 1 << 30
         self._launch = self._launch_ex = lambda *args: (0,)  # cuda-python's (CUresult,)
-        if launcher is not None:
-            self._native = self._native_pdl = lambda *args: 0  # the launcher's CUresult
 
     def blocks_per_sm(self, threads: int, smem: int = 0) -> int:
         return 1

@@ -9,19 +9,18 @@ metadata (``flashinfer_jit.contract.Runner``) replays the stored launch through 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from jit_kernels import LoadedKernel, current_stream
+from jit_kernels.launch import BoundLaunch
 
 LOG2E = 1.4426950408889634  # the decode takes softmax_scale * log2(e) (it uses exp2)
 
 
-def _launcher(kernel: LoadedKernel, pdl: bool) -> Callable:
+def _launcher(kernel: LoadedKernel, grid: tuple, block: tuple, smem: int, pdl: bool) -> BoundLaunch:
     # PDL (QsaOptions.pdl): every QSA kernel waits for the previous kernel's results
     # (griddepcontrol.wait) before its first global access, so it may be launched early.
-    return kernel.launch_programmatic if pdl else kernel.launch
+    return kernel.bind(grid, block, smem, programmatic=pdl)
 
 
 class SlotPass:
@@ -48,7 +47,7 @@ class SlotPass:
         pdl: bool,
     ):
         self.kernel, self.grid, self.block = kernel, grid, block
-        self.launch = None if kernel is None else _launcher(kernel, pdl)
+        self.launch = None if kernel is None else _launcher(kernel, grid, block, 0, pdl)
         rows = logical_indices.shape[0]
         self.size, self.device = rows * columns + rows * order, logical_indices.device
         self.idx, self.table = logical_indices.stride(), block_table.stride()
@@ -71,7 +70,7 @@ class SlotPass:
                 idx_ptr, *self.idx, table_ptr, *self.table, t2r_ptr, self.t2r, slots.data_ptr(),
                 *self.tail,
             )  # fmt: skip
-            self.launch(self.grid, self.block, stream, args)
+            self.launch(stream, args)
         return slots
 
 
@@ -105,7 +104,8 @@ class DecodeLaunch:
         q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, output_gate = tensors
         self.kernel, self.grid, self.block, self.smem = kernel, grid, block, smem
         self.device, self.slot_pass, self.columns = device, slot_pass, columns
-        self.kv_gap, self.launch, self.replay = kv_gap, _launcher(kernel, pdl), True
+        self.kv_gap, self.replay = kv_gap, True
+        self.launch = _launcher(kernel, grid, block, smem, pdl)
         num_blocks, page_size, num_kv_heads, _ = k_cache.shape
         topk = logical_indices.shape[1] - 1
         # byte strides (e4m3: 1 B) of the caches; the count is the indices' last column
@@ -146,5 +146,5 @@ class DecodeLaunch:
             float(softmax_scale) * LOG2E, float(output_scale),
             idx_ptr, self.idx_column, table_ptr, *self.table, t2r_ptr, *self.tail,
         )  # fmt: skip
-        self.launch(self.grid, self.block, stream, params, self.smem)
+        self.launch(stream, params)
         return out
