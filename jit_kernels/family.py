@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
+from . import native
 from .arch import device_arch
 from .build import KernelBuilder
 from .compile import CompiledKernel
@@ -85,6 +87,7 @@ class KernelFamily:
         if refused is not None and refused[1] == self._conditions():
             # A new exception each time: re-raising one instance grows its traceback.
             raise KernelUnavailable(refused[0])
+        native.resolve_in_background()  # its build, if any, overlaps this kernel's
         try:
             compiled = self._compiled(params, device)
         except KernelUnavailable as exc:
@@ -130,3 +133,19 @@ class KernelFamily:
             except ImportError as exc:
                 raise KernelUnavailable(f"no compiler for {spec.label}: {exc}") from exc
         return compiled
+
+
+def prepare(wanted: Sequence[tuple[KernelFamily, tuple[ParamValue, ...]]], device: int) -> None:
+    """``family.get(params, device)`` of every ``(family, params)`` in ``wanted`` at once, one
+    thread per kernel not yet loaded (NVRTC releases the GIL and compiles in parallel
+    threads): a call that needs several kernels waits for the longest compile, not their
+    sum. Raises what the first of them to fail in ``wanted``'s order raised, as getting
+    them one by one would have; the ``get`` calls that follow are dict lookups."""
+    missing = [job for job in dict.fromkeys(wanted) if (job[1], device) not in job[0]._loaded]
+    if len(missing) < 2:  # one compile gains nothing from a thread
+        return
+    workers = min(len(missing), os.cpu_count() or 1)
+    with ThreadPoolExecutor(workers, thread_name_prefix="flashinfer-jit-build") as pool:
+        futures = [pool.submit(family.get, params, device) for family, params in missing]
+    for future in futures:
+        future.result()

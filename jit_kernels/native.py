@@ -202,6 +202,19 @@ _resolved: list[ModuleType | None] = []  # [the launcher or None] once resolved
 _lock = threading.Lock()
 
 
+def resolve_in_background() -> None:
+    """Start resolving the launcher on a thread unless it is resolved or switched off: a
+    build (the C compiler, ~0.3 s) then overlaps what the caller does next, a kernel's
+    NVRTC compile on a first call; ``launcher()`` waits for it (``_lock``)."""
+    if _resolved or _started or os.environ.get(NATIVE_ENV) == "0":
+        return
+    _started.append(True)
+    threading.Thread(target=launcher, name="flashinfer-jit-launcher", daemon=True).start()
+
+
+_started: list[bool] = []  # resolve_in_background ran (one thread per process)
+
+
 def launcher() -> ModuleType | None:
     """The launcher module, built or found on the first call of the process; None when
     switched off (FLASHINFER_JIT_NATIVE_LAUNCH=0, read per call) or unavailable."""

@@ -60,6 +60,16 @@ def test_a_bundle_is_searched_first(fresh, tmp_path, monkeypatch):
     assert native.launcher() is not None and not (fresh / "native").exists()
 
 
+@needs_cc
+def test_resolving_in_the_background_builds_once(fresh, monkeypatch):
+    monkeypatch.setattr(native, "_started", [])
+    native.resolve_in_background()
+    native.resolve_in_background()  # one thread a process
+    module = native.launcher()  # waits for that thread's build (or builds, the thread waits)
+    assert module is not None and callable(module.Bound)
+    assert len(list((fresh / "native").glob(f"_launcher-*{SUFFIX}"))) == 1
+
+
 @pytest.mark.parametrize(
     "cc, level", [("/bin/false", logging.WARNING), ("/nonexistent/cc", logging.INFO)]
 )
