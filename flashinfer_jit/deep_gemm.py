@@ -23,9 +23,13 @@ import torch
 from jit_kernels import sm_count, validate_inputs
 
 from ._jit import cuda_device_index
-from .mqa_logits import compute_paged_mqa_logits_schedule, paged_logits
+from .contract import Op, ScalarArg, TensorArg
+from .mqa_logits import OP as MQA
+from .mqa_logits import MqaLogitsOptions, compute_paged_mqa_logits_schedule
 from .mqa_logits.checks import BLOCK_SIZES
 from .mqa_logits.clean import clean_logits as write_clean
+from .mqa_logits.launch import Launch
+from .mqa_logits.plan import launch_for
 
 __all__ = [
     "fp8_fp4_paged_mqa_logits",
@@ -123,6 +127,7 @@ def _dense_pool(kv_cache, block_table, q) -> tuple[torch.Tensor, torch.Tensor]:
     # Entries past a request's own blocks may hold anything: clamp them into the pool.
     ids = block_table.long().clamp(0, kv_cache.shape[0] - 1).flatten()
     pool = kv_cache.index_select(0, ids)  # DeepGEMM's layout, dense
+    pool.fij_gathered = True  # a copy made for this call: its launch is never replayed
     table = torch.arange(ids.numel(), dtype=torch.int32, device=ids.device)
     return pool, table.view(block_table.shape)
 
@@ -158,6 +163,113 @@ def _check_lens_order(context_lens: torch.Tensor) -> None:
         )
 
 
+class DeepGemmLaunch:
+    """A checked call's logits launch (the native op's ``Launch``), reading the lengths in
+    place: ``context_lens`` itself, or the newest slot's column of 2-D lengths (its address
+    + (next_n - 1) ints, row stride next_n: what a ``select`` view would hold, without
+    making one per call); then ``clean_logits`` when asked."""
+
+    __slots__ = ("launch", "offset", "schedule", "next_n", "replay")
+
+    def __init__(self, launch: Launch, context_lens: torch.Tensor, use_schedule: bool, dense: bool):
+        self.launch, self.schedule, self.replay = launch, use_schedule, dense
+        self.next_n = context_lens.shape[1] if context_lens.dim() == 2 else 0
+        self.offset = 4 * (self.next_n - 1) if self.next_n else 0
+
+    # fmt: off
+    def run(self, q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+            clean_logits, logits_dtype, out) -> torch.Tensor | None:
+        # fmt: on
+        logits = self.launch.launch(
+            q, kv_cache, weights, block_table, context_lens.data_ptr() + self.offset,
+            schedule_meta if self.schedule else None, out,
+        )  # fmt: skip
+        if clean_logits and logits is not None:
+            write_clean(logits, context_lens, q.shape[1])
+        return logits
+
+
+class DeepGemmLogits(Op[DeepGemmLaunch, MqaLogitsOptions]):
+    """DeepGEMM's paged MQA logits call as an op of the contract: its checks and argument
+    mapping run once per call shape, and a repeat call replays the launch (a dict lookup
+    and the native op's launch), so this surface costs what the native entry does."""
+
+    name = "deep_gemm_paged_mqa_logits"
+    log_name = custom_op = "deep_gemm_paged_mqa_logits"
+    workloads, workload_fields = MQA.workloads, MQA.workload_fields  # the native op's kernels
+    args = (
+        TensorArg("q", dense=True),
+        TensorArg("kv_cache"),  # its block stride decides whether the pool is gathered
+        TensorArg("weights", dense=True),
+        TensorArg("context_lens"),
+        TensorArg("block_table"),
+        TensorArg("schedule_meta", optional=True),
+        ScalarArg("max_context_len", "int"),
+        ScalarArg("clean_logits", "bool"),
+        ScalarArg("logits_dtype", "ScalarType", typed=False),
+        TensorArg("out", optional=True, mutated=True),  # always None from the public functions
+    )
+    options_type = MqaLogitsOptions
+
+    def native(self, args: tuple) -> tuple:
+        """The native op's arguments of a call (a gathered pool when its blocks are strided)."""
+        q, kv_cache, weights, context_lens, block_table, schedule_meta = args[:6]
+        max_context_len, logits_dtype, out = args[6], args[8], args[9]
+        if logits_dtype not in LOGITS_DTYPES:
+            raise ValueError(
+                f"logits_dtype must be torch.float32 or torch.bfloat16, got {logits_dtype}"
+            )
+        batch = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
+        lens, lens_next_n = _request_lens(context_lens, batch)
+        if lens_next_n and batch is not None and lens_next_n != q.shape[1]:
+            raise ValueError(f"context_lens is [B, {lens_next_n}], q has next_n {q.shape[1]}")
+        pool, table = _dense_pool(kv_cache, block_table, q)
+        f32 = torch.float32
+        schedule = _schedule(schedule_meta, q)
+        return (q, pool, weights, table, lens, max_context_len, logits_dtype, f32, f32, schedule,
+                out, True)  # fmt: skip
+
+    def prepare(self, args: tuple) -> tuple:
+        native = self.native(args)
+        if validate_inputs():
+            _check_lens_order(args[3])
+        try:
+            native = MQA.prepare(native)
+        except (ValueError, TypeError) as exc:  # name the arguments as this API calls them
+            raise type(exc)(_RENAMES.sub(lambda m: _NAMES[m.group(0)], str(exc))) from exc
+        # The gathered pool and table (or the caller's) and the allocated logits.
+        return (args[0], native[1], args[2], args[3], native[3], *args[5:9], native[10])
+
+    def empty(self, args: tuple) -> bool:
+        return args[0].shape[0] == 0 or args[6] == 0
+
+    def refusal(self, args: tuple) -> str | None:
+        return MQA.refusal(args)  # q and kv_cache come first, as in the native op
+
+    def plan(self, args: tuple, options: MqaLogitsOptions) -> DeepGemmLaunch:
+        native = self.native(args)  # prepare's args: a strided pool is already gathered
+        gathered = getattr(args[1], "fij_gathered", False)
+        return DeepGemmLaunch(
+            launch_for(native, options), args[3], native[9] is not None, not gathered
+        )
+
+    def reference(self, args: tuple) -> None:
+        MQA.reference(self.native(args))
+        if args[7]:
+            write_clean(self.result(args), args[3], args[0].shape[1])
+
+    def result(self, args: tuple) -> torch.Tensor:
+        out, rows, max_context_len = args[9], args[0].shape[0] * args[0].shape[1], args[6]
+        return out if out.shape == (rows, max_context_len) else out[:rows, :max_context_len]
+
+    def prebuild_specs(self, workloads: dict, options: MqaLogitsOptions) -> list:
+        return []  # the native op's (flashinfer-jit prebuild --ops mqa_logits)
+
+
+OP = DeepGemmLogits()
+_run = OP.default.run
+
+
 def fp8_fp4_paged_mqa_logits(
     q: tuple[torch.Tensor, torch.Tensor | None],
     kv_cache: torch.Tensor,
@@ -172,31 +284,12 @@ def fp8_fp4_paged_mqa_logits(
 ) -> torch.Tensor:
     """DeepGEMM's ``fp8_fp4_paged_mqa_logits`` for FP8 q: [B * next_n, max_context_len] logits
     in ``logits_dtype`` (float32 or bfloat16, rounded once from the float32 epilogue)."""
-    q_fp8 = _split_q(q)
     if indices is not None:
         raise NotImplementedError(_NO_VARLEN)
-    if logits_dtype not in LOGITS_DTYPES:
-        raise ValueError(
-            f"logits_dtype must be torch.float32 or torch.bfloat16, got {logits_dtype}"
-        )
-    batch = q_fp8.shape[0] if isinstance(q_fp8, torch.Tensor) and q_fp8.dim() == 4 else None
-    lens, lens_next_n = _request_lens(context_lens, batch)
-    if lens_next_n and batch is not None and lens_next_n != q_fp8.shape[1]:
-        raise ValueError(f"context_lens is [B, {lens_next_n}], q has next_n {q_fp8.shape[1]}")
-    if validate_inputs():
-        _check_lens_order(context_lens)
-    kv_cache, block_table = _dense_pool(kv_cache, block_table, q_fp8)
-    f32 = torch.float32
-    try:
-        logits = paged_logits(
-            q_fp8, kv_cache, weights, block_table, lens, max_context_len, logits_dtype, f32, f32,
-            _schedule(schedule_meta, q_fp8), None, True,
-        )  # fmt: skip
-    except (ValueError, TypeError) as exc:  # name the arguments as this API calls them
-        raise type(exc)(_RENAMES.sub(lambda m: _NAMES[m.group(0)], str(exc))) from exc
-    if clean_logits:
-        write_clean(logits, context_lens, q_fp8.shape[1])
-    return logits
+    return _run(
+        (_split_q(q), kv_cache, weights, context_lens, block_table, schedule_meta,
+         max_context_len, clean_logits, logits_dtype, None)
+    )  # fmt: skip
 
 
 def fp8_paged_mqa_logits(
@@ -211,7 +304,9 @@ def fp8_paged_mqa_logits(
     indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DeepGEMM's ``fp8_paged_mqa_logits``: q is the FP8 tensor itself, float32 logits."""
-    return fp8_fp4_paged_mqa_logits(
-        (q, None), kv_cache, weights, context_lens, block_table, schedule_meta,
-        max_context_len, clean_logits, torch.float32, indices,
+    if indices is not None:
+        raise NotImplementedError(_NO_VARLEN)
+    return _run(
+        (q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+         clean_logits, torch.float32, None)
     )  # fmt: skip

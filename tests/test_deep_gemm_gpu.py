@@ -22,22 +22,22 @@ VARIANTS = ["auto", "ring_3x6", "portable", "direct_2x2", "generic"]
 
 
 @pytest.fixture
-def variant(request, monkeypatch) -> str:
-    """The DeepGEMM surface on the native op's variant ``request.param`` (its options)."""
+def variant(request, monkeypatch):
+    """The DeepGEMM surface's call path on the native op's variant ``request.param``."""
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
-    run = mq.OP.runner(test_mqa_logits_gpu.variant_options(request.param)).run
-    monkeypatch.setattr(dg, "paged_logits", lambda *args: run(args))
-    return request.param
+    return dg.OP.runner(test_mqa_logits_gpu.variant_options(request.param))
 
 
-def call(case, clean_logits=False, logits_dtype=torch.float32):
+def call(case, clean_logits=False, logits_dtype=torch.float32, runner=None):
+    """The public ``fp8_fp4_paged_mqa_logits``, or ``runner`` (a variant) with its arguments."""
     meta = dg.get_paged_mqa_logits_metadata(
         case.context_lens, case.kv_cache.shape[1], dg.get_num_sms()
     )
-    return dg.fp8_fp4_paged_mqa_logits(
-        (case.q, None), case.kv_cache, case.weights, case.context_lens, case.block_table, meta,
-        case.max_context_len, clean_logits, logits_dtype,
-    )  # fmt: skip
+    args = (case.kv_cache, case.weights, case.context_lens, case.block_table, meta,
+            case.max_context_len, clean_logits, logits_dtype)  # fmt: skip
+    if runner is not None:
+        return runner.run((case.q, *args, None))
+    return dg.fp8_fp4_paged_mqa_logits((case.q, None), *args)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, indirect=True)
@@ -47,7 +47,7 @@ def call(case, clean_logits=False, logits_dtype=torch.float32):
 @pytest.mark.parametrize("next_n,heads", [(1, 64), (2, 32), (2, 64)])
 def test_gpu_matches_reference(variant, two_d, clean_logits, logits_dtype, next_n, heads):
     case = make_case(LENS, next_n, heads, two_d=two_d, seed=next_n + heads, device="cuda")
-    logits = call(case, clean_logits, logits_dtype)
+    logits = call(case, clean_logits, logits_dtype, variant)
     assert logits.dtype == logits_dtype and logits.is_cuda
     check(logits, case, clean_logits)
 
@@ -77,13 +77,36 @@ def test_gpu_repeat_calls_are_bitwise_equal_and_match_native(monkeypatch):
     assert torch.equal(native.masked_fill(~seen, 0), first)
 
 
+@pytest.mark.parametrize("two_d", [False, True], ids=["lens1d", "lens2d"])
+def test_gpu_replays_read_new_lengths_in_place(two_d, monkeypatch):
+    """Repeat calls replay the stored launch, reading the lengths in place (2-D lens: the
+    newest slot's column at its offset): new values in the same tensor, then a new tensor."""
+    monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
+    case = make_case(LENS, 2, 64, two_d=two_d, seed=3, device="cuda")
+    full = case.context_lens.clone()
+    shorter = torch.minimum(full, torch.full_like(full, 130))
+    dg.OP.default.replays.clear()
+    check(call(case, True), case, clean_logits=True)  # the full path stores the launch
+    stored = len(dg.OP.default.replays)
+    assert stored == 1
+    for source in (shorter, full):
+        case.context_lens.copy_(source)
+        check(call(case, True), case, clean_logits=True)
+    case.context_lens = shorter.clone()
+    check(call(case, True), case, clean_logits=True)
+    assert len(dg.OP.default.replays) == stored  # every later call replayed
+
+
 def test_gpu_strided_pool(monkeypatch):
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
     dense = make_case(LENS, 2, 64, two_d=True, seed=9, device="cuda")
     padded = make_case(LENS, 2, 64, two_d=True, seed=9, block_pad=132, device="cuda")
+    dg.OP.default.replays.clear()
     a, b = call(dense, True), call(padded, True)
     check(b, padded, clean_logits=True)
     assert torch.equal(a, b)
+    assert len(dg.OP.default.replays) == 1  # the gathered copy's launch is not stored
+    check(call(padded, True), padded, clean_logits=True)  # gathered again, not replayed
 
 
 def test_gpu_cuda_graph_with_clean_and_metadata(monkeypatch):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from jit_kernels import KernelUnavailable
+from jit_kernels import cache as jcache
 from jit_kernels import compile as jc
 from jit_kernels import family as jf
 
@@ -166,6 +167,7 @@ def test_gpu_auto_serves_from_specialized_without_the_dsl(monkeypatch, jit_cache
     monkeypatch.setattr(cake.family, "_loaded", {})
     monkeypatch.setattr(cake.family, "_refused", {})
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
+    monkeypatch.delenv(jcache.CUBIN_PATH_ENV, raising=False)  # no bundle either
     torch.manual_seed(0)
     kv_nope = torch.randn(4096, 16, 256, device="cuda", dtype=torch.bfloat16) * 40
     k_pe = torch.randn(4096, 64, device="cuda", dtype=torch.bfloat16) * 40

@@ -514,14 +514,98 @@ def test_plans_follow_the_tuned_table(monkeypatch):
 
 
 def test_auto_policy_per_arch():
-    # sm_90, measured: specialized for one head and for calls of at most 16 tokens.
+    # sm_90: the entry of the largest head count at most the call's decides.
+    table = ((1, None), (2, 64), (16, 8))
+    first = lambda t, h: heuristics.specialized_first(table, t, h)  # noqa: E731
+    assert all(first(t, 1) for t in (1, 16384, 131072))
+    assert first(64, 2) and first(64, 15) and not first(65, 2) and not first(65, 15)
+    assert first(8, 16) and first(8, 128) and not first(9, 16)
+    assert not heuristics.specialized_first((), 1, 1)  # no entry: cake everywhere
+    # The shipped table: one head always specialized, large calls cake.
     for tokens in (1, 1024, 16384, 131072):
         assert mkp.auto_order(tokens, 1, (9, 0)) == ("specialized", "cake")
     assert mkp.auto_order(16, 128, (9, 0))[0] == mkp.auto_order(1, 16, (9, 0))[0] == "specialized"
     for heads in (2, 12, 16, 128):
-        for tokens in (17, 64, 1024, 16384, 131072):
-            assert mkp.auto_order(tokens, heads, (9, 0))[0] == "cake"
-    # sm_100/sm_103: the seed's rule (specialized for 12 local heads).
+        assert mkp.auto_order(16384, heads, (9, 0))[0] == "cake"
+    # sm_100/sm_103: the seed's rule (specialized for 12 local heads), whatever sm_90's is.
     for cap in ((10, 0), (10, 3)):
         assert mkp.auto_order(1, 12, cap) == ("specialized", "cake")
         assert mkp.auto_order(131072, 1, cap)[0] == mkp.auto_order(16, 16, cap)[0] == "cake"
+
+
+def _rule_tool():
+    """tools/mla_kv_pack_rule.py (on sys.path there, as the tools run)."""
+    import sys
+    from pathlib import Path
+
+    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    import mla_kv_pack_rule
+
+    return mla_kv_pack_rule
+
+
+def test_sm90_rule_agrees_with_the_measured_points():
+    """The committed serving-measure points (tools/mla_kv_pack_rule.py --write): at every
+    one, auto's first backend on sm_90 is within the tolerance of the faster backend."""
+    rule = _rule_tool()
+    if not rule.POINTS_FILE.exists():
+        pytest.skip(f"no measured points committed ({rule.POINTS_FILE.name})")
+    points, header = rule.load_points(rule.POINTS_FILE)
+    assert len(points) >= 50, "the sweep covers tokens 1..131072 x heads 1..128"
+    first = lambda t, h: mkp.auto_order(t, h, (9, 0))[0]  # noqa: E731
+    bad = rule.violations(points, first, header["tolerance"])
+    assert not bad, (
+        "heuristics.SM90_SPECIALIZED_MAX_TOKENS disagrees with the measurement:\n" + "\n".join(bad)
+    )
+
+
+def _synthetic(rule, spec_wins) -> list:
+    """The sweep's grid, specialized 10 % faster where ``spec_wins`` and cake elsewhere
+    (with up to 0.5 % of noise, under the tolerance)."""
+    import random
+
+    rng = random.Random(0)
+    points = []
+    for h in (1, 2, 4, 8, 12, 16, 32, 64, 128):
+        for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536, 131072):
+            fast, slow = 1.0 + rng.uniform(0, 0.005), 1.1
+            spec, cake_us = (fast, slow) if spec_wins(t, h) else (slow, fast)
+            points.append(rule.Point(t, h, spec, cake_us))
+    return points
+
+
+@pytest.mark.parametrize(
+    "truth, expected",
+    [
+        (lambda t, h: h == 1 or t <= 32, ((1, None), (2, 32))),
+        (lambda t, h: t * h <= 2048, ((1, 1024), (4, 512), (8, 256), (12, 128), (32, 64),
+                                      (64, 32), (128, 16))),
+        (lambda t, h: h in (1, 4) or t <= 256, ((1, None), (2, 256), (4, None), (8, 256))),
+        (lambda t, h: False, ((1, 0),)),
+    ],
+)  # fmt: skip
+def test_rule_derivation_finds_each_head_counts_threshold(truth, expected):
+    rule = _rule_tool()
+    points = _synthetic(rule, truth)
+    derived = rule.derive(points)
+    assert derived == expected
+    assert rule.violations(points, lambda t, h: rule.pick(derived, t, h)) == []
+    # The check can fail: the opposite rule, and a threshold one step off, are caught.
+    opposite = lambda t, h: "cake" if rule.pick(derived, t, h) == "specialized" else "specialized"  # noqa: E731
+    assert rule.violations(points, opposite)
+    off = tuple((h, 4 * t if t else 1) for h, t in derived)  # None and 0 -> 1
+    assert rule.violations(points, lambda t, h: rule.pick(off, t, h))
+
+
+def test_rule_derivation_no_threshold_and_points_file(tmp_path):
+    rule = _rule_tool()
+    with pytest.raises(ValueError, match="at 2 heads"):  # specialized only in the middle
+        rule.derive(_synthetic(rule, lambda t, h: h == 2 and 64 <= t <= 1024))
+    stair = _synthetic(rule, lambda t, h: t <= 64)
+    path = tmp_path / "points.json"
+    rule.write_points(stair, {"device": "test"}, path)
+    again, header = rule.load_points(path)
+    assert header["device"] == "test" and header["tolerance"] == rule.TOLERANCE
+    assert [(p.tokens, p.heads) for p in again] == [(p.tokens, p.heads) for p in stair]

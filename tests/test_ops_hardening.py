@@ -144,7 +144,7 @@ def test_a_refusal_is_forgotten_when_its_cause_changes(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_auto_pack_serves_without_retrying_an_unbuildable_backend(monkeypatch, fresh_replays):
-    """No DSL and no bundle: auto's first choice (cake at 64 x 128 on sm_90) is refused once,
+    """No DSL and no bundle: auto's first choice (cake at 128 x 128) is refused once,
     then specialized serves every call from the replay, at specialized's host cost."""
     from flashinfer_jit.mla_kv_pack import cake
 
@@ -153,10 +153,10 @@ def test_gpu_auto_pack_serves_without_retrying_an_unbuildable_backend(monkeypatc
     stub = KernelFamily(builder, real.family, real.template, real.kernel, real.param_names,
                         real.signature, compiler="cute")  # fmt: skip
     monkeypatch.setattr(cake, "family", stub)
-    kv, pe = mla_inputs(64, 128, device="cuda")
-    assert mkp.auto_order(64, 128)[0] == "cake"
-    key = torch.empty(64, 128, 192, dtype=torch.float8_e4m3fn, device="cuda")
-    value = torch.empty(64, 128, 128, dtype=torch.float8_e4m3fn, device="cuda")
+    kv, pe = mla_inputs(128, 128, device="cuda")
+    assert mkp.auto_order(128, 128)[0] == "cake"  # sm_90's measured table: cake first here
+    key = torch.empty(128, 128, 192, dtype=torch.float8_e4m3fn, device="cuda")
+    value = torch.empty(128, 128, 128, dtype=torch.float8_e4m3fn, device="cuda")
     want_key, want_value = concat_mla_kv_quant_fp8(kv.cpu(), pe.cpu())
     concat_mla_kv_quant_fp8(kv, pe, key, value)
     assert builder.calls == 1 and len(mkp.OP.default.replays) == 1

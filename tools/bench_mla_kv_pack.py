@@ -1,28 +1,25 @@
-"""Benchmark concat_mla_kv_quant_fp8: both fused backends, their plan variants, auto, torch.
+"""Benchmark concat_mla_kv_quant_fp8: both fused backends, auto, their plans, torch.
 
     python tools/bench_mla_kv_pack.py [--tokens 1,16,...] [--heads 1,12,...] [--json FILE]
+    python tools/bench_mla_kv_pack.py --variants [--tokens ...] [--heads ...] [--json FILE]
+    python tools/bench_mla_kv_pack.py --write-tuned RESULTS  # no GPU: --variants' JSON
 
-Per (tokens, heads) point: every backend variant is checked bit-exact against the
-composable torch path first, then timed. Kernel time is taken with a pair of CUDA
-events around each call, median of many calls, inputs rotating over enough sets to
-exceed L2 (60 MiB on the H200) where memory allows. A long sleep kernel is queued
-before each batch of calls so the host's launch cost stays hidden behind the GPU and
-the events measure the kernels themselves. Byte floor = bytes read + written / 4.24 TB/s.
+Default: the serving measure (tools/mla_kv_pack_serving.py): per call in a CUDA graph,
+input sets cycled past 4x L2, specialized and cake (each its planned plan) and auto at
+every point, then the sm_90 rule derived from it (tools/mla_kv_pack_rule.py). ``auto``'s
+sm_90 rule comes from this measure.
 
-Two kernel times are reported. "us" (the auto policy and the tuned plans use these):
-one CUDA-event pair around each call, which for a tiny kernel also counts the event
-and launch latency on the GPU (~2 µs on the H200). "b2b us": back-to-back calls, 20
-captured in one CUDA graph (rotating input sets), the graph replay timed with one
-event pair and divided by 20: each kernel's own time plus the gap between kernels,
-the cost a serving step sees.
-
-Host overhead (µs per call, tiny inputs, many calls back to back, wall clock): the op
-with outputs given (its fast path), the bare engine launch of the same kernel, and an
+``--variants``: every plan variant of both backends (specialized with several
+heads-per-warp splits, cake with every head group; the planned one marked '*'), each
+checked bit-exact against the torch path, then timed with one CUDA-event pair around each
+call, median of many calls, inputs rotating over enough sets to exceed L2 where memory
+allows. A long sleep kernel is queued before each batch of calls so the host's launch cost
+stays hidden behind the GPU; for a tiny kernel the time still counts the event and launch
+latency on the GPU (~2 µs on the H200). The tuned plan tables (``--write-tuned``) come from
+these. Host overhead (µs per call, tiny inputs, many calls back to back, wall clock): the
+op with outputs given (its fast path), the bare engine launch of the same kernel, and an
 empty torch op (``Tensor.add_(0)`` on a 1-element tensor) for scale.
-
-Variants: specialized with several heads-per-warp splits, cake with every head group;
-the planned choice of each is marked with '*'. The table (printed last) has the data
-the auto policy needs: each backend's planned and best time, and what auto picks.
+Byte floor = bytes read + written / 4.24 TB/s.
 """
 
 from __future__ import annotations
@@ -40,25 +37,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling tool modules
+
+from mla_kv_pack_serving import CEILING_TBPS, MAX_POINT_BYTES, point_bytes  # noqa: E402
 
 from flashinfer_jit import mla_kv_pack as mkp  # noqa: E402
-from flashinfer_jit.mla_kv_pack import MlaKvPackOptions, cake  # noqa: E402
+from flashinfer_jit.mla_kv_pack import MlaKvPackOptions, cake, heuristics  # noqa: E402
 from flashinfer_jit.mla_kv_pack.op import BACKENDS  # noqa: E402
 from flashinfer_jit.mla_kv_pack.reference import pack_torch  # noqa: E402
 from jit_kernels import sm_count  # noqa: E402
 
-CEILING_TBPS = 4.24
 L2_BYTES = 60 << 20
-MAX_POINT_BYTES = 4 << 30  # skip points whose traffic exceeds ~4 GB
 KERNEL_REPS, TORCH_REPS = 60, 8
-
-
-B2B_ROUNDS, B2B_CALLS = 5, 48
-
-
-def point_bytes(tokens: int, heads: int) -> int:
-    # kv_nope read (512 B/row), key (192 B) and value (128 B) written, k_pe read once.
-    return tokens * heads * (512 + 192 + 128) + tokens * 128
+# The serving sweep's grid (issue 19 item 14): both ends and 64x128, 1x16, 16384x16.
+SWEEP_TOKENS = "1,2,4,8,16,32,64,128,256,512,1024,4096,16384,65536,131072"
+SWEEP_HEADS = "1,2,4,8,12,16,32,64,128"
+VARIANT_TOKENS, VARIANT_HEADS = "1,16,64,1024,16384,131072", "1,12,16,128"
 
 
 def make_sets(tokens: int, heads: int, count: int):
@@ -99,31 +93,6 @@ def time_calls(fn, sets, reps: int) -> float:
             b.record()
         torch.cuda.synchronize()
         times += [a.elapsed_time(b) * 1000 for a, b in events]
-    return statistics.median(times)
-
-
-def time_graph(fn, sets, calls: int = 20, replays: int = 15) -> float:
-    """µs per call of ``calls`` back-to-back calls captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(*sets[0])  # loads the kernel and fills the fast path before capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(*sets[i % len(sets)])
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / calls)
-    del graph
     return statistics.median(times)
 
 
@@ -186,7 +155,6 @@ def variants(tokens: int, heads: int) -> dict[str, tuple]:
     return out
 
 
-# size: one point: inputs, reference, every variant checked and timed, in order
 def run_point(tokens: int, heads: int) -> dict:
     nbytes = point_bytes(tokens, heads)
     count = max(1, min(32, -(-2 * L2_BYTES // nbytes)))
@@ -228,18 +196,6 @@ def run_point(tokens: int, heads: int) -> dict:
         auto = lambda kv, pe, k, v: mkp.concat_mla_kv_quant_fp8(kv, pe, k, v, backend="auto")  # noqa: E731
         row["auto_pick"] = mkp.auto_order(tokens, heads, torch.cuda.get_device_capability())[0]
         row["auto_us"] = time_calls(auto, sets, KERNEL_REPS)
-        # Back-to-back kernel time: the three candidates measured in interleaved rounds
-        # (a drift in clocks or L2 state hits all of them) and the median round kept;
-        # single measurements of 2 µs kernels moved by up to ~7 % between runs.
-        b2b_fns = {"auto": auto}
-        for fn, backend, _, planned in variants(tokens, heads).values():
-            if planned:
-                b2b_fns[backend] = fn
-        rounds: dict[str, list[float]] = {name: [] for name in b2b_fns}
-        for _ in range(B2B_ROUNDS):
-            for name, fn in b2b_fns.items():
-                rounds[name].append(time_graph(fn, sets, calls=B2B_CALLS))
-        row["b2b_us"] = {name: statistics.median(v) for name, v in rounds.items()}
         torch_fn = lambda kv, pe, k, v: pack_torch(kv, pe, k, v, 128)  # noqa: E731
         row["torch_us"] = time_calls(torch_fn, sets[:2], TORCH_REPS)
     except Exception as exc:
@@ -264,8 +220,6 @@ def summarize(row: dict) -> list[str]:
     best = min(spec[0], cake_[0])
     auto = row.get("auto_us", float("nan"))
     floor = row["floor_us"]
-    b2b = row.get("b2b_us", {})
-    b2b_best = min(b2b.get("specialized", float("inf")), b2b.get("cake", float("inf")))
     return [
         str(row["tokens"]),
         str(row["heads"]),
@@ -279,9 +233,6 @@ def summarize(row: dict) -> list[str]:
         row.get("auto_pick", "-"),
         f"{auto:.2f}",
         f"{100 * (auto / best - 1):+.1f}%",
-        "/".join(f"{b2b.get(k, float('nan')):.2f}" for k in ("specialized", "cake", "auto")),
-        f"{100 * floor / b2b_best:.0f}%",
-        f"{100 * (b2b.get('auto', float('nan')) / b2b_best - 1):+.1f}%",
         "; ".join(row["errors"])[:60] or "ok",
     ]
 
@@ -322,67 +273,97 @@ HEADER = [
     "auto",
     "auto us",
     "auto vs best",
-    "b2b us spec/cake/auto",
-    "b2b % floor",
-    "b2b auto vs best",
     "errors",
 ]
+
+
+def variant_sweep(tokens: list[int], heads: list[int], json_path: str | None) -> None:
+    """``--variants``: every plan variant timed with one event pair per call, host overhead."""
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}  torch {torch.__version__}", flush=True)
+    rows = []
+    for h in heads:
+        for t in tokens:
+            if point_bytes(t, h) > MAX_POINT_BYTES:
+                print(f"skip {t}x{h}: over {MAX_POINT_BYTES >> 30} GB", flush=True)
+                continue
+            rows.append(run_point(t, h))
+            detail = ", ".join(
+                f"{n} {v['us']:.2f}{'*' if v['planned'] else ''}"
+                for n, v in rows[-1]["variants"].items()
+            )
+            print(f"{t}x{h}: {detail}", flush=True)
+    host = {}
+    try:
+        host = host_overhead()
+    except Exception:  # the kernel table must still print
+        traceback.print_exc()
+    if json_path:
+        Path(json_path).write_text(
+            json.dumps({"device": device, "rows": rows, "host_us": host}, indent=1)
+        )
+    cells = [HEADER] + [summarize(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+    print("\nhost overhead, µs per call (1 token x 16 heads, back to back, wall clock):")
+    for name, us in host.items():
+        print(f"  {name:24s} {us:7.2f}")
+    print("\n(us: one event pair per call; spec/cake us: the planned variant; best: the fastest")
+    print(" variant tried; % floor: of the faster planned backend)")
+    for i, c in enumerate(cells):
+        print(" | ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)))
+        if i == 0:
+            print("-+-".join("-" * w for w in widths))
+
+
+def serving_sweep(tokens: list[int], heads: list[int], json_path: str | None) -> None:
+    """The default: the serving measure at every point, then the sm_90 rule it implies."""
+    import mla_kv_pack_rule as rule
+    import mla_kv_pack_serving as serving
+
+    rows = serving.sweep(tokens, heads, json_path)
+    points = [
+        rule.Point(r["tokens"], r["heads"], r["us"]["specialized"], r["us"]["cake"])
+        for r in rows
+        if "specialized" in r["us"] and "cake" in r["us"]
+    ]
+    if torch.cuda.get_device_capability() != (9, 0) or not points:
+        return  # the rule is sm_90's
+    now = rule.violations(
+        points, lambda t, h: rule.pick(heuristics.SM90_SPECIALIZED_MAX_TOKENS, t, h)
+    )
+    print(f"\nheuristics.SM90_SPECIALIZED_MAX_TOKENS: {len(now)} of {len(points)} points over 3 %")
+    for line in now:
+        print(f"  {line}")
+    try:
+        derived = rule.derive(points)
+    except ValueError as exc:
+        print(f"no rule: {exc}")
+        return
+    print("\nderived (python tools/mla_kv_pack_rule.py RESULTS.json prints the same):\n")
+    print(rule.render(derived, points, {"device": torch.cuda.get_device_name()}))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokens", default="1,16,64,1024,16384,131072")
-    parser.add_argument("--heads", default="1,12,16,128")
+    parser.add_argument("--tokens", help=f"default: {SWEEP_TOKENS} ({VARIANT_TOKENS} --variants)")
+    parser.add_argument("--heads", help=f"default: {SWEEP_HEADS} ({VARIANT_HEADS} --variants)")
     parser.add_argument("--json", help="also write every measurement here")
+    parser.add_argument("--variants", action="store_true", help="every plan variant (see above)")
     parser.add_argument(
         "--write-tuned",
         metavar="RESULTS",
-        help="no GPU needed: turn a --json file into the workloads JSON's tuned block",
+        help="no GPU needed: turn a --variants --json file into the workloads JSON's tuned block",
     )
     args = parser.parse_args()
     if args.write_tuned:
         return write_tuned(Path(args.write_tuned))
-    device = torch.cuda.get_device_name()
-    print(f"device: {device}  torch {torch.__version__}", flush=True)
-    rows = []
-    for heads in [int(h) for h in args.heads.split(",")]:
-        for tokens in [int(t) for t in args.tokens.split(",")]:
-            if point_bytes(tokens, heads) > MAX_POINT_BYTES:
-                print(f"skip {tokens}x{heads}: over {MAX_POINT_BYTES >> 30} GB", flush=True)
-                continue
-            row = run_point(tokens, heads)
-            rows.append(row)
-            detail = ", ".join(
-                f"{n} {v['us']:.2f}{'*' if v['planned'] else ''}"
-                for n, v in row["variants"].items()
-            )
-            print(f"{tokens}x{heads}: {detail}", flush=True)
-    host = {}
-    try:
-        host = host_overhead()
-    except Exception:  # the kernel table must still print
-        traceback.print_exc()
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps({"device": device, "rows": rows, "host_us": host}, indent=1)
-        )
-    cells = [HEADER] + [summarize(r) for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
-    print()
-    print("host overhead, µs per call (1 token x 16 heads, back to back, wall clock):")
-    for name, us in host.items():
-        print(f"  {name:24s} {us:7.2f}")
-    print()
-    print("(us: one event pair per call; b2b us: back-to-back calls in a CUDA graph, per call;")
-    print(
-        " spec/cake us: the planned variant; best: the fastest variant tried; % floor: of the faster planned backend)"
-    )
-    for i, c in enumerate(cells):
-        print(" | ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)))
-        if i == 0:
-            print("-+-".join("-" * w for w in widths))
+    grid = (VARIANT_TOKENS, VARIANT_HEADS) if args.variants else (SWEEP_TOKENS, SWEEP_HEADS)
+    tokens = [int(t) for t in (args.tokens or grid[0]).split(",")]
+    heads = [int(h) for h in (args.heads or grid[1]).split(",")]
+    sweep = variant_sweep if args.variants else serving_sweep
+    sweep(tokens, heads, args.json)
     return 0
 
 

@@ -4,6 +4,8 @@
     python tools/bench_qsa.py --lean                  # issue-shape k table, alternatives vs default, issue table
     python tools/bench_qsa.py --wave                  # the one-wave split rule's sweep
     python tools/bench_qsa.py --ncu-one [--splits K]  # ONE decode launch, rows=512 (for ncu)
+    python tools/bench_qsa.py --dispatch-sweep [--json F] [--part i/n] [--seed-triton PATH]
+    python tools/bench_qsa.py --list [--part i/n]     # that sweep's grid and cost, no GPU
 
 Inputs follow the issue: D=128, page 64, valid_count uniform in [topk/2, topk] and -1 past
 it, logical indices drawn without replacement from a 16K-token context per request, pages
@@ -18,13 +20,12 @@ the run goes on). Times are CUDA-graph replays per call, whole call. The issue t
 prints last.
 """
 
-# size: one benchmark CLI (sweep, --lean, --wave, --ncu-one): its modes share the inputs and timers
+# Inputs and timers: qsa_bench_util.py; the dispatch sweep: qsa_dispatch_sweep.py, its grid
+# and bookkeeping qsa_bench_grid.py (CPU-importable: --list and the tests use it).
 
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -40,14 +41,26 @@ from flashinfer_jit.qsa import kernels as qk  # noqa: E402
 from flashinfer_jit.qsa import plan as qsa_plan  # noqa: E402
 from flashinfer_jit.qsa.checks import offset_bits  # noqa: E402
 from flashinfer_jit.qsa.op import run_kernels  # noqa: E402
-from flashinfer_jit.qsa.reference import qsa_decode_torch  # noqa: E402
 from jit_kernels import I32, I64, PTR, U32, KernelBuilder, KernelFamily, current_stream  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_util import warm_gpu  # noqa: E402
+from qsa_bench_util import (  # noqa: E402
+    HEAD_DIM,
+    PAGE,
+    check,
+    copy_bandwidth,
+    floor_us,
+    fmt,
+    make_sets,
+    n_sets_for,
+    reference_of,
+    table,
+    time_eager,
+    time_graph,
+    timed,
+)
 
-BANDWIDTH = 4.24e6  # bytes per microsecond (measured device-to-device copy on the H200)
-PAGE, HEAD_DIM = 64, 128
 # (rows, Hq, Hkv, topk) -> (Triton µs, target µs) from FACTS.md / the issue.
 ISSUE_SHAPES = {
     (64, 64, 4, 2048): ("198 / 136 (graph 68)", 50),
@@ -96,117 +109,6 @@ _probe_family = KernelFamily(
     ("head_dim",),
     (PTR, U32, U32, U32, PTR, U32, U32, U32, PTR, I32, PTR, I64, I32, I32, I32, PTR),
 )
-_pool: list[torch.Tensor] = []
-
-
-def pool(gib: float) -> torch.Tensor:
-    """A flat uint8 pool of about ``gib`` GiB holding random e4m3 codes (made once)."""
-    if not _pool:
-        flat = torch.empty(int(gib * (1 << 30)) & ~4095, dtype=torch.uint8, device="cuda")
-        for part in flat.split(1 << 28):
-            codes = (torch.randn(part.numel(), device="cuda") * 0.5).to(torch.float8_e4m3fn)
-            part.copy_(codes.view(torch.uint8))
-        _pool.append(flat)
-    return _pool[0]
-
-
-def make_sets(rows, hq, hkv, topk, n_sets, gib, seed=0):
-    """``n_sets`` argument tuples over one pool, each its own requests and selections."""
-    torch.manual_seed(seed)
-    flat = pool(gib)
-    blocks = flat.numel() // (hkv * PAGE * 2 * HEAD_DIM)
-    kv = flat[: blocks * hkv * PAGE * 2 * HEAD_DIM].view(blocks, hkv, PAGE, 2 * HEAD_DIM)
-    k_cache, v_cache = kv.transpose(1, 2).split(HEAD_DIM, dim=-1)
-    context = max(16384, 2 * topk)
-    requests = min(max(rows * n_sets, 64), 512)
-    block_table = torch.randint(
-        0, blocks, (requests, context // PAGE), dtype=torch.int32, device="cuda"
-    )
-    sets = []
-    for s in range(n_sets):
-        idx = torch.rand(rows, context, device="cuda").argsort(dim=1)[:, :topk].to(torch.int32)
-        count = torch.randint(topk // 2, topk + 1, (rows,), device="cuda", dtype=torch.int32)
-        idx = torch.where(torch.arange(topk, device="cuda")[None, :] < count[:, None], idx, -1)
-        indices = torch.cat([idx, count[:, None]], dim=1).contiguous()
-        t2r = ((torch.arange(rows, device="cuda") + s * rows) % requests).to(torch.int32)
-        q = torch.randn(rows, hq, HEAD_DIM, device="cuda").to(torch.bfloat16)
-        gate = torch.randn(rows, hq, HEAD_DIM, device="cuda").to(torch.bfloat16)
-        out = torch.empty_like(q)
-        scale = 1 / math.sqrt(HEAD_DIM)
-        sets.append((q, k_cache, v_cache, indices, block_table, t2r, out, gate, scale, 1.0))
-    return sets
-
-
-def n_sets_for(rows, hkv, topk) -> int:
-    # Enough sets that one graph's gathers exceed L2 (60 MB) several times over.
-    per_call = rows * hkv * topk * 0.75 * 2 * HEAD_DIM
-    return int(min(16, max(2, math.ceil(240e6 / per_call))))
-
-
-def floor_us(args) -> float:
-    q, k_cache, _, indices = args[:4]
-    rows, hq, d = q.shape
-    tokens = indices[:, -1].clamp(0, indices.shape[1] - 1).sum().item()
-    nbytes = tokens * k_cache.shape[2] * 2 * d + 3 * rows * hq * d * 2 + indices.numel() * 4
-    return nbytes / BANDWIDTH
-
-
-def reference_of(args) -> torch.Tensor:
-    out = torch.empty_like(args[6])
-    qsa_decode_torch(*args[:6], out, *args[7:])
-    return out.float()
-
-
-def check(run, args, expect) -> float:
-    """Max error of ``run(args)`` against the torch path's output, normalized; raises on bad."""
-    out = args[6]
-    out.fill_(float("nan"))
-    run(args)
-    torch.cuda.synchronize()
-    got = out.float()
-    if torch.isnan(got).any():
-        raise AssertionError("NaN in output")
-    err = ((got - expect).abs() / (expect.abs() + 1e-2 * expect.abs().max())).max().item()
-    if err > 2e-2:
-        raise AssertionError(f"mismatch vs torch path: {err:.3e}")
-    return err
-
-
-def time_graph(run, sets, reps=30) -> float:
-    """Median µs per call of a graph holding one call per input set."""
-    for args in sets:
-        run(args)  # compile/load outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for args in sets:
-            run(args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(sets))
-    return statistics.median(times)
-
-
-def time_eager(run, sets, reps=20) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for args in sets:
-            run(args)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(sets))
-    return statistics.median(times)
 
 
 def kernel_breakdown(run, sets, reps=5) -> str:
@@ -258,27 +160,6 @@ def probe_runner(sets):
         )
 
     return run
-
-
-def fmt(x) -> str:
-    return "-" if x is None else (f"{x:.1f}" if isinstance(x, float) else str(x))
-
-
-def table(header, rows) -> str:
-    cells = [header, *[[fmt(c) for c in r] + ["-"] * (len(header) - len(r)) for r in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    out = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
-def timed(run, sets, expect):
-    """Graph µs of ``run`` after a correctness check; an error string when either fails."""
-    try:
-        check(run, sets[0], expect)
-        return time_graph(run, sets)
-    except Exception as exc:  # one bad design must not end the run
-        return f"ERR {type(exc).__name__}: {exc}"[:60]
 
 
 def sweep_row(shape, gib, seed, with_probe, variants=VARIANTS):
@@ -429,21 +310,6 @@ def bench_wave(gib) -> None:
     print("\n".join(out))
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy TB/s (bytes read + written): this machine's ceiling today."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    end.synchronize()
-    return 2 * 10 * a.numel() / (start.elapsed_time(end) * 1e-3) / 1e12
-
-
 def ncu_one(gib: float, splits: int) -> None:
     """Exactly one decode launch (rows=512 Hq=64 Hkv=4 topk=2048), after its slot pass."""
     args = make_sets(512, 64, 4, 2048, 1, gib, seed=5)[0]
@@ -452,7 +318,7 @@ def ncu_one(gib: float, splits: int) -> None:
     print(f"one decode launch done: {splits} split(s)")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-sweep", action="store_true", help="issue shapes and table only")
     parser.add_argument(
@@ -464,23 +330,50 @@ def main() -> None:
     parser.add_argument("--ncu-one", action="store_true", help="one decode launch, then exit")
     parser.add_argument("--wave", action="store_true", help="only the one-wave split sweep")
     parser.add_argument("--splits", type=int, default=1, help="split count for --ncu-one")
-    opts = parser.parse_args()
-    if opts.ncu_one:
-        ncu_one(opts.gib, opts.splits)
-        return
+    sweep = parser.add_argument_group("issue 22's dispatch sweep (tools/qsa_dispatch_sweep.py)")
+    sweep.add_argument("--dispatch-sweep", action="store_true", help="run it, table last")
+    sweep.add_argument("--list", action="store_true", help="its points and cost model; no GPU")
+    sweep.add_argument("--json", help="write every row here (rewritten after each point)")
+    sweep.add_argument("--part", help="i/n: only part i of n (cost-balanced), e.g. 1/2")
+    sweep.add_argument("--seed-triton", help="the seed's Triton module (default: .device/anchors/"
+                       "qsa_seed_triton.py if present, else ../shared/anchors/)")  # fmt: skip
+    sweep.add_argument("--jobs", type=int, help="NVRTC build processes (default: min(16, CPUs))")
+    sweep.add_argument("--time-limit", type=float, default=380.0,
+                       help="s from the sweep's start (builds included) after which no point "
+                       "starts; the table still prints (default 380)")  # fmt: skip
+    return parser.parse_args()
+
+
+def banner() -> dict:
+    """Warm the GPU; print and return the device, torch and today's copy bandwidth."""
     warm_gpu()
-    print(
-        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"copy {copy_bandwidth():.2f} TB/s (read + write)"
-    )
+    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    info["copy_tbs"] = round(copy_bandwidth(), 3)
+    print(f"device: {info['device']}, torch {info['torch']}, copy {info['copy_tbs']:.2f} TB/s "
+          "(read + write)")  # fmt: skip
     print(
         f"dispatch: single pass when rows*Hkv >= {qk.DECODE_MIN_PROGRAMS}, else a cluster "
         f"(launch_split): the most CTAs that keep every cluster resident at once, one per SM "
         f"({qk.WAVE_CONFIG}, or {qk.CLUSTER_PAIR_CONFIG} within half a wave; two chunks a "
         f"step), else split_count's table; (warps, stages, min CTAs/SM): cp.async "
         f"{qk.DECODE_CONFIG}, D=128 bulk copies {qk.BULK_SINGLE_PASS} single pass, "
-        f"{qk.BULK_CLUSTER} 2-CTA clusters over two waves, other clusters {qk.CLUSTER_CONFIG}"
+        f"{qk.BULK_CLUSTER} 2-CTA clusters over two waves, other clusters {qk.CLUSTER_CONFIG}",
+        flush=True,
     )
+    return info
+
+
+def main() -> None:
+    opts = parse_args()
+    if opts.ncu_one:
+        ncu_one(opts.gib, opts.splits)
+        return
+    if opts.dispatch_sweep or opts.list:
+        from qsa_dispatch_sweep import sweep_main  # its imports build nothing
+
+        sweep_main(opts, banner)
+        return
+    banner()
     if opts.wave:
         bench_wave(opts.gib)
         return

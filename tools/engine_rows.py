@@ -20,7 +20,7 @@ Call = Callable[[], object]
 
 
 class Row(NamedTuple):
-    op: str  # "mqa", "qsa", "pack" or "torch" (the empty op the others are compared with)
+    op: str  # "mqa" (and its DeepGEMM surface), "qsa", "pack" or "torch" (the empty op)
     outputs: str  # "allocated", "given" or "" (the op has no output argument to leave out)
     make: Callable[[str], Call]
 
@@ -62,6 +62,15 @@ def _mqa(length: int, given: bool) -> Callable[[str], Call]:
     return make
 
 
+def _deep_gemm(device: str) -> Call:
+    import flashinfer_jit.deep_gemm as deep_gemm
+
+    q, kv, w, table, lens = mqa_inputs(1, 8192, device)
+    lens2d = lens.view(1, 1)  # [B, next_n], as vLLM passes them
+    schedule = deep_gemm.get_paged_mqa_logits_metadata(lens2d, 64, deep_gemm.get_num_sms())
+    return lambda: deep_gemm.fp8_paged_mqa_logits(q, kv, w, lens2d, table, schedule, 8192)
+
+
 def _qsa(rows: int, entry: str) -> Callable[[str], Call]:
     def make(device: str) -> Call:
         import flashinfer_jit.qsa as qsa
@@ -97,6 +106,7 @@ ROWS: dict[str, Row] = {
     "mqa B=1 L=8192 out=None": Row("mqa", "allocated", _mqa(8192, False)),
     "mqa B=1 L=8192 out=given": Row("mqa", "given", _mqa(8192, True)),
     "mqa B=1 L=8000 out=None (a view)": Row("mqa", "allocated", _mqa(8000, False)),
+    "mqa B=1 via deep_gemm, 2-D lens": Row("mqa", "allocated", _deep_gemm),
     "qsa attention rows=4 (cluster)": Row("qsa", "", _qsa(4, "qsa_sparse_paged_attention")),
     "qsa attention rows=512 (slots+1 pass)": Row(
         "qsa", "", _qsa(512, "qsa_sparse_paged_attention")

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_rows
 
 from engine_rows import calls  # noqa: E402
 
+import flashinfer_jit.deep_gemm as deep_gemm  # noqa: E402
 from flashinfer_jit.qsa import kernels as qk  # noqa: E402
 from flashinfer_jit.registry import OPS  # noqa: E402 (every op, before install_stub)
 from jit_kernels import KernelFamily, LoadedKernel, native  # noqa: E402
@@ -87,7 +88,7 @@ def install_stub() -> None:
             for attr, fake in fakes.items():
                 if hasattr(module, attr):
                     setattr(module, attr, fake)
-    for op in OPS.values():  # the kernels serve CPU tensors: no CUDA-device test, no refusal
+    for op in (*OPS.values(), deep_gemm.OP):  # kernels serve CPU tensors: no device test
         op.kernel_call, op.refusal = (lambda args: True), (lambda args: None)
 
 

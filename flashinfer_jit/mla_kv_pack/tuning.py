@@ -9,8 +9,9 @@ They live in the ``"tuned"`` block of ``mla_kv_pack/workloads.json``:
 
 ``tools/bench_mla_kv_pack.py`` measures every variant at every point and writes the
 block (``--write-tuned``). The op plans from the two plan tables; its ``auto`` policy is
-a per-arch rule in ``heuristics.py`` derived from these measurements (the ``auto``
-table is the per-point record it was derived from, noise included at µs-sized points). A call between measured points takes the nearest measured
+a per-arch rule in ``heuristics.py`` (sm_90's derived from the benchmark's serving measure
+by ``tools/mla_kv_pack_rule.py``; the ``auto`` table here is a per-point record of the
+``--variants`` measure, not used by the op). A call between measured points takes the nearest measured
 point in log scale (heads, then tokens); without a block the heuristics in the backends
 decide. Every value is checked on load, so a bad file cannot pick an invalid program.
 """

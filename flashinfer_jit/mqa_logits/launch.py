@@ -90,6 +90,12 @@ class Launch:
         replay key says so) on the current stream and return the logits view of ``out``
         (None: allocated here); None, with nothing launched, when q or kv_fused is not
         16-byte aligned."""
+        return self.launch(q, kv_fused, weights, block_tables, seq_lens.data_ptr(), schedule, out)
+
+    def launch(self, q, kv_fused, weights, block_tables, lens_ptr: int,
+               schedule: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor | None:
+        """``run`` with the lengths as an address (the DeepGEMM surface reads the newest
+        slot's column of 2-D lengths in place: flashinfer_jit.deep_gemm)."""
         q_ptr, kv_ptr = q.data_ptr(), kv_fused.data_ptr()
         if (q_ptr | kv_ptr) & 15:
             return None
@@ -100,7 +106,7 @@ class Launch:
             out = torch.empty(*self.alloc, dtype=self.dtype, device=self.place)
         args = (
             q_ptr, kv_ptr, weights.data_ptr(), block_tables.data_ptr(), self.table_stride,
-            seq_lens.data_ptr(), self.lens_stride, 0 if schedule is None else schedule.data_ptr(),
+            lens_ptr, self.lens_stride, 0 if schedule is None else schedule.data_ptr(),
             out.data_ptr(), self.out_stride, self.batch, *self.extra,
         )  # fmt: skip
         if self.kv_args is not None:  # per-pool arguments (the TMA kernel's tensor map)

@@ -1,0 +1,108 @@
+"""tools/qsa_bench_grid.py without a GPU: issue 22's sweep covers the issue's ranges, launches
+only shipped specializations (a bounded number, built before timing), splits into parts
+that cover it once, and turns measurements into rows, verdicts, a table and JSON."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from flashinfer_jit.qsa import warmup
+from flashinfer_jit.qsa.checks import MAX_GROUP
+from flashinfer_jit.qsa.plan import QsaOptions
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "tools") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tools"))  # as the tools run
+grid = importlib.import_module("qsa_bench_grid")
+SMS, CLUSTERS = grid.H200_SMS, grid.h200_clusters
+
+
+def test_grid_covers_the_issue_ranges():
+    points = grid.grid()
+    assert len(points) == len(set(points))
+    rows, topks = {p.rows for p in points}, {p.topk for p in points}
+    assert min(rows) == 1 and max(rows) == 4096 and {256, 512, 2048, 4096} <= topks
+    assert min(topks) == 256 and max(topks) == 4096
+    assert {p.page for p in points} == {16, 32, 64, 128}
+    assert {p.head_dim for p in points} == {64, 128, 256}
+    assert min(p.hq for p in points) == 8 and max(p.hq for p in points) == 128
+    assert {p.hkv for p in points} == {1, 4, 8}
+    assert all(p.group <= MAX_GROUP and p.hq % p.hkv == 0 for p in points)
+    pairs = {p.pairs for p in points}  # both sides of the gate, and far past it
+    assert min(pairs) == 1 and max(pairs) > 8 * grid.GATE
+    assert any(p.pairs < grid.GATE for p in points) and any(p.pairs >= grid.GATE for p in points)
+
+
+def test_variants_and_dispatcher_pick():
+    below, above = grid.Point(128, 128, 8, 2048), grid.Point(4096, 128, 8, 4096)
+    assert set(grid.variants_of(below, SMS, CLUSTERS)) == {"k1", "k2", "k4", "split"}
+    assert set(grid.variants_of(above, SMS, CLUSTERS)) == {"k1"}
+    # the issue's first shape: the table's 2-CTA split, the same launch as k2
+    assert grid.timed_labels(below, SMS, CLUSTERS)["split"] == "k2"
+    assert (
+        grid.pick_label(below, grid.dispatch_variant(below, SMS, CLUSTERS), SMS, CLUSTERS) == "k2"
+    )
+    assert (
+        grid.pick_label(above, grid.dispatch_variant(above, SMS, CLUSTERS), SMS, CLUSTERS) == "k1"
+    )
+    tiny = grid.Point(1, 64, 4, 2048)  # the one-wave split: its own launch
+    assert grid.dispatch_variant(tiny, SMS, CLUSTERS).pair
+    assert grid.timed_labels(tiny, SMS, CLUSTERS)["split"] == "split"
+
+
+def test_specs_are_shipped_and_bounded():
+    points = grid.grid()
+    specs = grid.sweep_specs(points, SMS, CLUSTERS)
+    assert 0 < len(specs) <= 60  # ~1 s each, built in parallel before timing
+    options = QsaOptions()
+    shipped = set()
+    for p in points:
+        shipped.update(
+            warmup.all_specs(
+                p.group, p.head_dim, p.page, options.slot_entries, options.tmma, options.lean
+            )
+        )
+    assert set(specs) <= shipped
+    assert 0 < grid.triton_specs(points) <= 30
+
+
+def test_parts_cover_the_grid_once_and_balance():
+    points = grid.grid()
+    parts = [grid.select_part(points, f"{i}/3") for i in (1, 2, 3)]
+    assert sorted(map(str, sum(parts, []))) == sorted(map(str, points))
+    loads = [sum(grid.point_seconds(p) for p in part) for part in parts]
+    assert max(loads) < 1.2 * min(loads)
+    assert grid.select_part(points, None) == points
+    assert grid.wall_seconds(points)["total"] < 420  # one device call (the model's estimate)
+
+
+def test_rows_verdicts_table_and_json(tmp_path):
+    point = grid.Point(32, 16, 1, 512)
+    times = {"k1": 90.0, "k2": 76.0, "k4": "ERR AssertionError: x", "split": 76.0}
+    row = grid.summarize(point, 60.0, {**times, "disp": 79.8, "triton": 160.0}, "k2")
+    assert row["best"] == "k2" and abs(row["disp_over_best"] - 1.05) < 1e-9
+    assert row["misses"] == ["disp>3%", "floor<85%", "triton<4x"]
+    ok = grid.summarize(point, 49.0, {**times, "disp": 78.0, "triton": 320.0}, "k2")
+    assert ok["misses"] == []
+    assert grid.summarize(point, 7.0, {"k1": 9.0, "disp": "ERR x"}, "k1")["misses"] == ["no disp"]
+    cells = grid.table_row(row)
+    assert len(cells) == len(grid.HEADER) and "ERR" in cells and cells[-1].startswith("disp>3%")
+    assert grid.gate_lines([row]) == ["16/1 topk 512 page 64 D 128: 32 0.84"]
+    path = tmp_path / "out" / "sweep.json"
+    grid.write_json(str(path), {"device": "cpu"}, [row, ok])
+    data = json.loads(path.read_text())
+    assert data["meta"]["device"] == "cpu" and data["rows"][0]["times_us"]["k4"].startswith("ERR")
+
+
+def test_bench_lists_the_sweep_without_a_gpu():
+    """``bench_qsa.py --list``: the device run's points and cost model, here on the CPU."""
+    command = [sys.executable, str(ROOT / "tools" / "bench_qsa.py"), "--list", "--part", "1/2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert f"{len(grid.select_part(grid.grid(), '1/2'))} points; NVRTC specializations" in lines[-3]
+    assert lines[-1].startswith("model seconds:")
