@@ -7,7 +7,6 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from . import native
 from .arch import device_arch
 from .build import KernelBuilder
 from .compile import CompiledKernel
@@ -78,6 +77,15 @@ class KernelFamily:
         kernel = self._loaded.get((params, device))
         return kernel if kernel is not None else self._load(params, device)
 
+    def _ready(self, params: tuple[ParamValue, ...], device: int) -> bool:
+        """Whether ``get`` needs no compile: loaded, or its cubin in memory or on disk."""
+        if (params, device) in self._loaded:
+            return True
+        try:
+            return self.builder.lookup(self.spec(params), device_arch(device)) is not None
+        except Exception:  # noqa: BLE001 (the get that follows raises it, where it must)
+            return False
+
     def _conditions(self) -> tuple:
         """What a refusal depends on besides (params, device)."""
         return (os.environ.get(JIT_DISABLE_ENV) == "1", self.builder.cache)
@@ -87,7 +95,6 @@ class KernelFamily:
         if refused is not None and refused[1] == self._conditions():
             # A new exception each time: re-raising one instance grows its traceback.
             raise KernelUnavailable(refused[0])
-        native.resolve_in_background()  # its build, if any, overlaps this kernel's
         try:
             compiled = self._compiled(params, device)
         except KernelUnavailable as exc:
@@ -136,12 +143,13 @@ class KernelFamily:
 
 
 def prepare(wanted: Sequence[tuple[KernelFamily, tuple[ParamValue, ...]]], device: int) -> None:
-    """``family.get(params, device)`` of every ``(family, params)`` in ``wanted`` at once, one
-    thread per kernel not yet loaded (NVRTC releases the GIL and compiles in parallel
+    """``family.get(params, device)`` of every ``(family, params)`` in ``wanted`` that needs a
+    compile, at once, one thread each (NVRTC releases the GIL and compiles in parallel
     threads): a call that needs several kernels waits for the longest compile, not their
     sum. Raises what the first of them to fail in ``wanted``'s order raised, as getting
-    them one by one would have; the ``get`` calls that follow are dict lookups."""
-    missing = [job for job in dict.fromkeys(wanted) if (job[1], device) not in job[0]._loaded]
+    them one by one would have. Cached kernels are left to those ``get`` calls (a thread
+    would only add its start to a disk read)."""
+    missing = [(f, p) for f, p in dict.fromkeys(wanted) if not f._ready(p, device)]
     if len(missing) < 2:  # one compile gains nothing from a thread
         return
     workers = min(len(missing), os.cpu_count() or 1)

@@ -109,8 +109,11 @@ def test_prepare_builds_at_once(two_devices, monkeypatch):
         ("mla_kv_pack[num_heads=12,unroll=6]", "sm_90a"),
     ]
     loads = list(_FakeLoaded.loads)
-    family_mod.prepare([(fam, (0, 4)), (fam, (12, 6))], 0)  # both loaded: nothing runs
+    monkeypatch.setattr(family_mod, "ThreadPoolExecutor", None)  # no thread may start now
+    family_mod.prepare([(fam, (0, 4)), (fam, (12, 6))], 0)  # both loaded
     assert fam.get((12, 6), 0).device == 0 and _FakeLoaded.loads == loads
+    family_mod.prepare([(fam, (0, 4)), (fam, (12, 6))], 1)  # both cached: the gets load them
+    assert len(compiled) == 2
 
 
 def test_prepare_raises_the_first_failure_in_order(two_devices, monkeypatch):
