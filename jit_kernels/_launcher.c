@@ -4,19 +4,19 @@
  *   launch(function, gx, gy, gz, bx, by, bz, smem, stream, params) -> CUresult (int)
  *   launch_programmatic(<the same>) -> CUresult (int)
  *   Bound(function, gx, gy, gz, bx, by, bz, smem, programmatic, codes, offsets,
- *         param_offsets, size, on_error)(stream, values) -> None
+ *         param_offsets, template, on_error)(stream, values) -> None
  *
  * function: a CUfunction handle as an int; stream: a raw CUstream (torch's cudaStream_t)
  * as an int; params: the address of the kernel's void* argument array (ArgPacker.pack).
  * launch_programmatic is cuLaunchKernelEx with programmatic stream serialization allowed
  * (a programmatic dependent launch), its config built here on the stack per call.
  *
- * Bound is a launch whose shape is fixed (LoadedKernel.bind): a call packs ``values`` (the
- * flattened members, as ArgPacker.pack takes them) into a parameter buffer on this call's
- * stack, at the member ``offsets`` ArgPacker computed, with struct's conversions and
- * checks, and launches; ``on_error(CUresult)`` raises when the driver refuses. Packing
- * here instead of through struct.pack_into saves ~1 us of a 37-argument launch (CPU), and
- * the stack buffer needs no per-thread copy.
+ * Bound is a launch whose shape is fixed (LoadedKernel.bind): a call copies ``template``
+ * (the parameter buffer with the members fixed at binding packed) onto this call's stack,
+ * packs ``values`` (the other members, ``codes``, at the ``offsets`` ArgPacker computed)
+ * with struct's conversions and checks, and launches; ``on_error(CUresult)`` raises when
+ * the driver refuses. Packing here instead of through struct.pack_into saves ~1 us of a
+ * 37-argument launch (CPU), and the stack buffer needs no per-thread copy.
  *
  * No CUDA header is needed: the few driver types used are declared below, copied from
  * cuda.h (CUDA 12.x and 13.0, where they are part of the driver's ABI);

@@ -20,9 +20,10 @@ typedef struct {
   unsigned int dims[7]; /* grid x, y, z, block x, y, z, dynamic shared memory bytes */
   int programmatic;
   Py_ssize_t members, params, size;
-  char *codes;                  /* one ArgPacker code per member */
-  unsigned int *offsets;        /* each member's byte offset in the buffer */
+  char *codes;                  /* one ArgPacker code per member a call passes */
+  unsigned int *offsets;        /* each such member's byte offset in the buffer */
   unsigned int *param_offsets;  /* each parameter's */
+  PyObject *template;           /* bytes: the buffer with every other member packed */
   PyObject *on_error;           /* on_error(CUresult) raises the launch's error */
 } Bound;
 
@@ -133,7 +134,7 @@ static PyObject *bound_call(PyObject *callable, PyObject *const *args, size_t na
   }
   _Alignas(64) char data[MAX_PARAM_BYTES];
   void *params[MAX_PARAMS];
-  memset(data, 0, (size_t)self->size);
+  memcpy(data, PyBytes_AS_STRING(self->template), (size_t)self->size);
   for (Py_ssize_t i = 0; i < self->members; ++i) {
     PyObject *v = PyTuple_GET_ITEM(values, i);
     if (pack_member(self->codes[i], data + self->offsets[i], v, i) < 0) {
@@ -185,6 +186,7 @@ static unsigned int *offsets_of(PyObject *items, Py_ssize_t count, Py_ssize_t li
 
 static int bound_fill(Bound *self, PyObject *codes, PyObject *offsets, PyObject *param_offsets) {
   self->members = PyBytes_GET_SIZE(codes);
+  self->size = PyBytes_GET_SIZE(self->template);
   self->params = PyTuple_Check(param_offsets) ? PyTuple_GET_SIZE(param_offsets) : -1;
   if (self->size < 0 || self->size > MAX_PARAM_BYTES || self->params < 0 ||
       self->params > MAX_PARAMS) {
@@ -213,16 +215,16 @@ static int bound_fill(Bound *self, PyObject *codes, PyObject *offsets, PyObject 
 }
 
 static PyObject *bound_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-  PyObject *function, *codes, *offsets, *param_offsets, *on_error;
-  Py_ssize_t dims[7], size;
+  PyObject *function, *codes, *offsets, *param_offsets, *template, *on_error;
+  Py_ssize_t dims[7];
   int programmatic;
   if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
     PyErr_SetString(PyExc_TypeError, "Bound takes positional arguments only");
     return NULL;
   }
-  if (!PyArg_ParseTuple(args, "OnnnnnnnpSOOnO:Bound", &function, &dims[0], &dims[1], &dims[2],
+  if (!PyArg_ParseTuple(args, "OnnnnnnnpSOOSO:Bound", &function, &dims[0], &dims[1], &dims[2],
                         &dims[3], &dims[4], &dims[5], &dims[6], &programmatic, &codes,
-                        &offsets, &param_offsets, &size, &on_error)) {
+                        &offsets, &param_offsets, &template, &on_error)) {
     return NULL;
   }
   for (int i = 0; i < 7; ++i) {
@@ -241,7 +243,8 @@ static PyObject *bound_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->dims[i] = (unsigned int)dims[i];
   }
   self->programmatic = programmatic;
-  self->size = size;
+  Py_INCREF(template);
+  self->template = template;
   Py_INCREF(on_error);
   self->on_error = on_error;
   if (PyErr_Occurred() || bound_fill(self, codes, offsets, param_offsets) < 0) {
@@ -257,6 +260,7 @@ static int bound_traverse(Bound *self, visitproc visit, void *arg) {
 }
 
 static int bound_clear(Bound *self) {
+  Py_CLEAR(self->template);
   Py_CLEAR(self->on_error);
   return 0;
 }

@@ -48,8 +48,23 @@ _SIZE = {"M": 128}
 _PDL_CONFIGS = 256  # launch configs a kernel keeps for launch_programmatic
 
 
-# A launch of fixed shape: (stream, the flattened argument values) -> None (LoadedKernel.bind).
+# A launch of fixed shape: (stream, the values of its per-call members) -> None
+# (LoadedKernel.bind).
 BoundLaunch = Callable[[int, tuple], None]
+# In a bound launch's template: a member each call passes (the others are fixed at binding).
+PER_CALL = object()
+_PLACEHOLDER = {"f": 0.0, "d": 0.0, "M": b""}  # what a template's buffer holds for PER_CALL
+
+
+def merge(template: Sequence, values: Sequence) -> tuple:
+    """``template`` with its PER_CALL members replaced by ``values``, in order."""
+    calls = [i for i, member in enumerate(template) if member is PER_CALL]
+    if len(values) != len(calls):
+        raise TypeError(f"a launch of this template takes {len(calls)} values, got {len(values)}")
+    merged = list(template)
+    for i, value in zip(calls, values, strict=True):
+        merged[i] = value
+    return tuple(merged)
 
 
 class LaunchError(RuntimeError):
@@ -99,8 +114,21 @@ class ArgPacker:
         self.offsets = tuple(offsets)
         self.signature = tuple(signature)
         # Each flattened member's code and byte offset: the compiled launcher packs by them.
-        self.codes, self.member_offsets = "".join(signature).encode(), tuple(members)
+        self.codes, self.member_offsets = "".join(signature), tuple(members)
         self._local = threading.local()
+
+    def split(self, template: Sequence) -> tuple[bytes, tuple[int, ...], bytes]:
+        """A bound launch's layout: the codes and offsets of the members ``template`` leaves
+        PER_CALL, and the parameter buffer with its other members packed."""
+        if len(template) != len(self.codes):
+            raise ValueError(f"{len(template)} template members for a {self.codes!r} signature")
+        calls = [i for i, member in enumerate(template) if member is PER_CALL]
+        fixed = (
+            _PLACEHOLDER.get(code, 0) if member is PER_CALL else member
+            for code, member in zip(self.codes, template, strict=True)
+        )
+        codes = "".join(self.codes[i] for i in calls).encode()
+        return codes, tuple(self.member_offsets[i] for i in calls), self.struct.pack(*fixed)
 
     def _new_buffers(self):
         data = (ctypes.c_char * max(self.struct.size, 8))()
@@ -279,24 +307,28 @@ class LoadedKernel:
         block: tuple[int, int, int],
         smem: int = 0,
         programmatic: bool = False,
+        template: Sequence | None = None,
     ) -> BoundLaunch:
-        """``launch`` (``launch_programmatic`` if ``programmatic``) with its shape fixed:
-        ``bound(stream, args)``. Through the compiled launcher, which packs ``args`` itself
-        (as ``packer`` lays them out) where it is loaded, else through those methods."""
+        """``launch`` (``launch_programmatic`` if ``programmatic``) with its shape and the
+        members ``template`` fixes bound: ``bound(stream, values)`` passes the members it
+        leaves PER_CALL, in order (``template`` None: every member). Through the compiled
+        launcher, which packs them itself, where it is loaded, else through those methods."""
         if smem > self._smem_limit:
             self._allow_smem(smem)
-        launcher, packer = self._launcher, self.packer
+        template = (PER_CALL,) * len(self.packer.codes) if template is None else tuple(template)
+        launcher = self._launcher
         if launcher is not None:
+            codes, offsets, buffer = self.packer.split(template)
             on_error = functools.partial(self._failed, programmatic)
-            layout = (packer.codes, packer.member_offsets, packer.offsets, packer.struct.size)
             try:
                 return launcher.Bound(
-                    self._handle, *grid, *block, smem, programmatic, *layout, on_error
-                )
+                    self._handle, *grid, *block, smem, programmatic, codes, offsets,
+                    self.packer.offsets, buffer, on_error,
+                )  # fmt: skip
             except ValueError:  # more parameter bytes than the launcher's stack buffer holds
                 pass
         launch = self.launch_programmatic if programmatic else self.launch
-        return lambda stream, args: launch(grid, block, stream, args, smem)
+        return lambda stream, values: launch(grid, block, stream, merge(template, values), smem)
 
     def _pdl_config(self, grid: tuple, block: tuple, smem: int, stream: int):
         """cuda-python's CUlaunchConfig of a programmatic launch, kept per (grid, block,

@@ -1,8 +1,9 @@
 """The compiled launcher (jit_kernels.native, _launcher.c) without a GPU: it builds, caches
 and imports; a broken or missing compiler and the switch fall back to cuda-python; its
 driver types match cuda.h; against a stand-in libcuda it passes every argument through
-(``launch`` and the bound launches, which pack them in C, byte for byte as ArgPacker's
-struct does) and LoadedKernel turns a driver error into LaunchError."""
+(``launch`` and the bound launches, which pack them in C onto the members bound at
+binding, byte for byte as ArgPacker's struct does) and LoadedKernel turns a driver error
+into LaunchError; without it a bound launch merges its members and calls ``launch``."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from jit_kernels import native
-from jit_kernels.launch import LoadedKernel
+from jit_kernels.launch import PER_CALL, ArgPacker, LoadedKernel
 from jit_kernels.prebuild import build_native
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,6 +93,23 @@ def test_the_switch_turns_it_off(fresh, monkeypatch):
     kernel = LoadedKernel.__new__(LoadedKernel)
     kernel._bind(0x1234, native.launcher())
     assert kernel._native is None and kernel._native_pdl is None  # cuda-python launches
+
+
+def test_a_bound_launch_without_the_launcher_merges_its_members():
+    class Recording(LoadedKernel):
+        __slots__ = ("seen",)
+
+        def launch(self, grid, block, stream, args, smem=0):
+            self.seen = (grid, block, stream, args, smem)
+
+    kernel = Recording.__new__(Recording)
+    kernel.name, kernel.device, kernel.packer = "k", 0, ArgPacker(("P", "i", "q"))
+    kernel._bind(0x1234, None)
+    bound = kernel.bind((1, 1, 1), (32, 1, 1), 0, False, (PER_CALL, 5, PER_CALL))
+    bound(7, (0xAB, -3))
+    assert kernel.seen == ((1, 1, 1), (32, 1, 1), 7, (0xAB, 5, -3), 0)
+    with pytest.raises(TypeError, match="takes 2 values, got 3"):
+        bound(7, (0xAB, -3, 1))
 
 
 def test_an_insecure_cache_is_refused(fresh, caplog):
@@ -196,7 +214,7 @@ import ctypes, json, sys
 from pathlib import Path
 fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # dlopen("libcuda.so.1") finds it
 from jit_kernels import native
-from jit_kernels.launch import ArgPacker, LaunchError, LoadedKernel
+from jit_kernels.launch import PER_CALL, ArgPacker, LaunchError, LoadedKernel
 kernel = LoadedKernel.__new__(LoadedKernel)
 signature = ("P", "i", "Piq", "f", "I", "q", "M")
 kernel.name, kernel.device, kernel.packer = "fake_kernel", 0, ArgPacker(signature)
@@ -210,6 +228,10 @@ launches = {"launch": lambda *a, **k: kernel.launch(*a, **k),
             "launch_programmatic": lambda *a, **k: kernel.launch_programmatic(*a, **k),
             "bind": lambda g, b, s, v, smem=0: kernel.bind(g, b, smem)(s, v),
             "bind programmatic": lambda g, b, s, v, smem=0: kernel.bind(g, b, smem, True)(s, v)}
+fixed = tuple(PER_CALL if i % 3 == 0 else v for i, v in enumerate(values))  # some bound
+per_call = values[::3]
+launches["bind template"] = lambda g, b, s, v, smem=0: kernel.bind(g, b, smem, False, fixed)(
+    s, per_call)
 for name, go in launches.items():
     go((2, 3, 4), (128, 1, 2), 0x5678, values, smem=99)
     packed = bytes(data[: kernel.packer.struct.size])
@@ -254,7 +276,8 @@ def test_arguments_reach_the_driver_and_errors_raise_launch_error(tmp_path):
     dims = [0x1234, 2, 3, 4, 128, 1, 2, 99, 0x5678]
     plain, programmatic = [*dims, 0, 0, 0], [*dims, 0, 6, 1]  # extra NULL; PDL allowed
     for name, config in (("launch", plain), ("launch_programmatic", programmatic),
-                         ("bind", plain), ("bind programmatic", programmatic)):  # fmt: skip
+                         ("bind", plain), ("bind programmatic", programmatic),
+                         ("bind template", plain)):  # fmt: skip
         # every path packs the bytes ArgPacker's struct lays out, at its offsets
         assert seen[name] == [*config, *seen["expected"]], name
         message = seen[name + " error"]
