@@ -99,9 +99,14 @@ def first_calls(rows: tuple[str, ...]) -> list[dict]:
     results = []
     for row in rows:
         with tempfile.TemporaryDirectory(prefix="fij-bench-") as cache:
-            cold = run_child(row, cache)
-            kernels = compiled_kernels(cache)
-            warm = run_child(row, cache)
+            try:
+                cold = run_child(row, cache)
+                kernels = compiled_kernels(cache)
+                warm = run_child(row, cache)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the other rows go on
+                print(f"{row}: FAILED {exc}", flush=True)
+                results.append({"row": row, "op": ROWS[row].op, "error": str(exc)})
+                continue
         results.append(
             {"row": row, "op": ROWS[row].op, "cold": cold, "warm": warm, "kernels": kernels}
         )
@@ -154,6 +159,9 @@ def print_table(first: list[dict], hot: dict[str, dict], device: str) -> None:
     print(f"\nengine latency on {device}")
     print(f"{'first call (new process)':{width}}  cold ms  kernels  warm ms  import ms")
     for r in first:
+        if "error" in r:
+            print(f"{r['row']:{width}}  failed (see above)")
+            continue
         cold, warm = r["cold"], r["warm"]
         print(
             f"{r['row']:{width}}  {cold['first_ms']:7.1f}  {len(r['kernels']):7d}  "
@@ -194,6 +202,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=3000, help="hot calls per row")
     parser.add_argument("--json", metavar="FILE", help="write every figure here")
     parser.add_argument("--dry-run", action="store_true", help="list what it would measure")
+    parser.add_argument("--commit", default=None, help="what the JSON records (default: git's)")
     parser.add_argument("--child", metavar="ROW", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -211,7 +220,7 @@ def main() -> None:
     if args.json:
         report = {
             "date": datetime.date.today().isoformat(),
-            "commit": commit(),
+            "commit": args.commit or commit(),
             "device": device,
             "first_calls": first,
             "hot": hot,
