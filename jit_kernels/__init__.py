@@ -1,7 +1,8 @@
 """jit_kernels: render, compile (NVRTC / CuTe DSL), cache, load and launch GPU kernels.
 
 The engine knows no op: ops describe kernel families (a template and its parameters)
-and call ``KernelFamily.get(params, device).launch(...)``.
+and call ``KernelFamily.get(params, device).launch(...)``, or ``.bind(...)`` once for a
+launch they repeat (a replayed plan).
 """
 
 from . import cache_admin
