@@ -73,6 +73,21 @@ def test_wave_split_rule():
     assert qk.wave_split(4, 128, 0, H200) == 0
     assert qk.launch_split(qk.DECODE_MIN_PROGRAMS, 1, 2048, 128, SMS, H200) == (1, None, None)
     assert qk.wave_smem_bytes(2) > 114 * 1024  # one CTA per SM, the rule's premise
+    # topk 256 (16 chunks): 4 splits of 4 chunks for at most 16 pairs, else 2 of 8.
+    assert [qk.wave_split(p, 128, 256, H200) for p in (1, 16, 17, 32, 66)] == [4, 4, 2, 2, 2]
+    assert qk.wave_split(4, 128, 272, H200) == 2  # 17 chunks: the 8-chunk minimum again
+
+
+def test_single_pass_crossover_per_arch():
+    """sm_90 (measured on the H200) takes the single pass from rows * Hkv = 512; other archs
+    keep the seed's 2048; launch_split and split_count follow the crossover they are given."""
+    sm90 = qk.decode_min_programs((9, 0))
+    assert sm90 == qk.DECODE_MIN_PROGRAMS_SM90 == 512
+    assert qk.decode_min_programs((10, 0)) == qk.decode_min_programs((10, 3)) == 2048
+    assert qk.launch_split(128, 4, 2048, 128, SMS, H200, sm90) == (1, None, None)
+    assert qk.launch_split(127, 4, 2048, 128, SMS, H200, sm90)[0] == 2
+    assert qk.launch_split(128, 4, 2048, 128, SMS, H200)[0] == 2  # 2048 elsewhere
+    assert qk.split_count(128, 4, 2048, sm90) == 1 and qk.split_count(127, 4, 2048, sm90) == 2
 
 
 @pytest.mark.parametrize("config, cluster, cap, bulk", [

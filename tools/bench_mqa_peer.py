@@ -70,6 +70,7 @@ ROWS = [
     Row("d64", 256, 1, 64, 8192, dim=64),
     Row("d64n2", 256, 2, 64, 8192, dim=64),
     Row("d32", 256, 1, 64, 8192, dim=32),
+    Row("d32n2", 256, 2, 64, 8192, dim=32),
     Row("d256", 128, 1, 64, 8192, dim=256),
     Row("skew32", 32, 1, 64, 4096, long=65536),
     Row("skew128n2", 128, 2, 64, 8192, long=131072),
@@ -82,7 +83,10 @@ ROWS = [
 SWEEPS: dict[str, list] = {
     "d64": [TmaConfig(3, 18, 3, 2)],
     "d32": [TmaConfig(3, 36, 3, 2)],
-}
+    "d64n2": [TmaConfig(4, 8, 4, 2), TmaConfig(4, 12, 4, 2), TmaConfig(4, 16, 4, 2),
+              TmaConfig(4, 12, 4, 1), TmaConfig(3, 12, 3, 2)],
+    "d32n2": [TmaConfig(4, 16, 4, 2), TmaConfig(4, 24, 4, 2), TmaConfig(3, 24, 3, 2)],
+}  # fmt: skip
 
 
 def deepgemm_supports(row: Row) -> bool:

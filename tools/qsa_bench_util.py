@@ -111,8 +111,8 @@ def check(run: Callable, args: Args, expect: torch.Tensor, tol: float = TOL) -> 
     return err
 
 
-def time_graph(run: Callable, sets: Sequence[Args], reps: int = 30) -> float:
-    """Median µs per call of a graph holding one call per input set."""
+def capture(run: Callable, sets: Sequence[Args]) -> torch.cuda.CUDAGraph:
+    """A graph holding one call per input set (compiled, loaded and replayed once)."""
     for args in sets:
         run(args)  # compile/load outside the capture
     stream = torch.cuda.Stream()
@@ -124,15 +124,27 @@ def time_graph(run: Callable, sets: Sequence[Args], reps: int = 30) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     torch.cuda.synchronize()
-    times = []
+    return graph
+
+
+def time_graphs(graphs: dict[str, torch.cuda.CUDAGraph], calls: int, reps: int) -> dict:
+    """Median µs per call of each graph (``calls`` calls a replay), the graphs replayed in
+    turn round after round, so a clock or power drift over the rounds hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(sets))
-    return statistics.median(times)
+        for name, graph in graphs.items():
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1000 / calls)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def time_graph(run: Callable, sets: Sequence[Args], reps: int = 30) -> float:
+    """Median µs per call of a graph holding one call per input set."""
+    return time_graphs({"run": capture(run, sets)}, len(sets), reps)["run"]
 
 
 def time_eager(run: Callable, sets: Sequence[Args], reps: int = 20) -> float:

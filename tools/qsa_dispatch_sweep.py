@@ -23,6 +23,7 @@ from pathlib import Path
 import qsa_bench_grid as grid
 import torch
 from qsa_bench_util import (
+    capture,
     check,
     floor_us,
     fmt,
@@ -30,7 +31,7 @@ from qsa_bench_util import (
     n_sets_for,
     reference_of,
     table,
-    time_graph,
+    time_graphs,
 )
 
 from flashinfer_jit import qsa
@@ -95,18 +96,20 @@ def runner(variant: qsa_plan.Variant) -> Callable:
     )
 
 
-def time_one(run: Callable, sets: list, expect: torch.Tensor, reps: int, tol: float) -> object:
-    """Graph µs after the torch-path check; the error (printed) as a string when either fails."""
+def captured(run: Callable, sets: list, expect: torch.Tensor, tol: float) -> object:
+    """The graph of ``run`` over the sets after the torch-path check; the error (printed) as
+    a string when either fails."""
     try:
         check(run, sets[0], expect, tol)
-        return time_graph(run, sets, reps)
+        return capture(run, sets)
     except Exception as exc:  # one bad variant must not end the run
         print(f"  {type(exc).__name__}: {str(exc)[:300]}")
         return f"ERR {type(exc).__name__}: {exc}"[:80]
 
 
 def measure(point: grid.Point, gib: float, seed_fn: Callable | None, index: int) -> dict:
-    """One point's JSON row (qsa_bench_grid.summarize)."""
+    """One point's JSON row (qsa_bench_grid.summarize). Every variant, the dispatcher and
+    the seed are captured first, then timed in interleaved rounds (time_graphs)."""
     p, sms, clusters = point, sm_count(0), qsa_plan.wave_clusters(0)
     sets = make_sets(p.rows, p.hq, p.hkv, p.topk, n_sets_for(p.rows, p.hkv, p.topk, p.head_dim),
                      gib, seed=index, page=p.page, head_dim=p.head_dim)  # fmt: skip
@@ -115,18 +118,18 @@ def measure(point: grid.Point, gib: float, seed_fn: Callable | None, index: int)
     reps = grid.reps_for(floor, len(sets))
     variants = grid.variants_of(p, sms, clusters)
     labels = grid.timed_labels(p, sms, clusters)
-    times: dict[str, object] = {}
-    for label, same in labels.items():
-        if same == label:
-            times[label] = time_one(runner(variants[label]), sets, expect, reps, 2e-2)
-        else:
-            times[label] = times[same]
-    times["disp"] = time_one(lambda a: qsa.qsa_sparse_paged_attention(*a), sets, expect, reps, 2e-2)
+    runs = {label: runner(variants[label]) for label, same in labels.items() if same == label}
+    runs["disp"] = lambda a: qsa.qsa_sparse_paged_attention(*a)
+    tols = {label: 2e-2 for label in runs}
+    if seed_fn is not None:
+        runs["triton"], tols["triton"] = (lambda a: seed_fn(*a)), SEED_TOL
+    graphs = {label: captured(run, sets, expect, tols[label]) for label, run in runs.items()}
+    ok = {label: g for label, g in graphs.items() if not isinstance(g, str)}
+    times: dict[str, object] = {**graphs, **time_graphs(ok, len(sets), reps)}
+    times.update({label: times[same] for label, same in labels.items() if same != label})
+    times.setdefault("triton", None)
     chosen = qsa_plan.dispatch_split(p.rows, p.hkv, p.topk, p.head_dim, torch.uint8, 0)
     pick = grid.pick_label(p, chosen, sms, clusters)
-    times["triton"] = None
-    if seed_fn is not None:
-        times["triton"] = time_one(lambda a: seed_fn(*a), sets, expect, reps, SEED_TOL)
     row = grid.summarize(p, floor, times, pick or f"k{chosen.num_splits}?")
     return {**row, "sets": len(sets), "reps": reps}
 

@@ -123,15 +123,20 @@ WAVE_CONFIG = (8, 4, 1)
 # sweep above): per TOPK bucket, the most (row, kv head) pairs that still take 8 splits,
 # then 4; more pairs take 2. Longer selections want more splits for as many pairs (more
 # work per split amortizes the merge). Each split keeps _MIN_CHUNKS_PER_SPLIT chunks.
-# DECODE_MIN_PROGRAMS: rows * Hkv from which one pass runs (the measured crossover; see
-# plan.use_fp8_decode_kernel).
+# DECODE_MIN_PROGRAMS: rows * Hkv from which one pass runs (the crossover; per compute
+# capability, decode_min_programs; see plan.use_fp8_decode_kernel).
 CLUSTER_SIZES = (2, 4, 8)  # the table's; wave_split takes any of 2..CLUSTER_MAX
 CLUSTER_MAX = 8  # the portable cluster size limit
 TMMA_MAX_GROUP = 8  # tokens as MMA rows: the group fills the MMA's 8 columns
 CLUSTER_SLOT_CAP = 1024
-DECODE_MIN_PROGRAMS = 2048
+DECODE_MIN_PROGRAMS = 2048  # the seed's sm_100 crossover: every arch but sm_90 (not measured)
+DECODE_MIN_PROGRAMS_SM90 = 512  # measured on the H200 (decode_min_programs)
 _SPLIT_TABLE = ((2048, 8, 32), (4096, 16, 128), (None, 64, 128))  # (TOPK up to, 8 to, 4 to)
 _MIN_CHUNKS_PER_SPLIT = 8
+# A selection of at most 16 chunks (topk <= 256) over at most 16 (row, kv head) pairs still
+# splits 4 ways in one wave: H200, per call in a graph, topk 256 at rows * Hkv = 1-16, 4 CTAs
+# 5.6-6.4 µs against 2 CTAs' 5.9-6.7 (at 32 pairs 2 CTAs win: 6.8 against 7.0).
+_MIN_CHUNKS_SHORT = 4
 
 slots_family = kernel_family(
     "qsa_slots",
@@ -196,10 +201,23 @@ def decode_smem_bytes(
     return q_bytes + max(stage + slot_cap * 4, red) + inbox + bars
 
 
-def split_count(rows: int, num_kv_heads: int, topk: int) -> int:
-    """The dispatcher's splits per (row, kv head): 1 (single pass) or a cluster size."""
+def decode_min_programs(cap: tuple[int, int]) -> int:
+    """rows * Hkv from which the dispatcher takes the single pass on compute capability
+    ``cap``. sm_90, measured on the H200 (tools/bench_qsa.py --dispatch-sweep, per call in a
+    graph, inputs cycled past 4x L2, BENCHMARKS.md): the best split over the single pass is
+    0.58-0.87 at rows * Hkv = 256 and 0.99-1.25 at 512 (64/4 topk 2048: 77.6 against 74.9
+    µs; 16/1 topk 512: 33.1 against 29.9), 1.1-1.4 from 1024 on: the single pass from 512.
+    Elsewhere the seed's crossover (its sm_100 rule; not measured here)."""
+    return DECODE_MIN_PROGRAMS_SM90 if cap == (9, 0) else DECODE_MIN_PROGRAMS
+
+
+def split_count(
+    rows: int, num_kv_heads: int, topk: int, min_programs: int = DECODE_MIN_PROGRAMS
+) -> int:
+    """The dispatcher's splits per (row, kv head): 1 (single pass, from ``min_programs``
+    pairs on) or a cluster size."""
     pairs = max(1, rows * num_kv_heads)
-    if pairs >= DECODE_MIN_PROGRAMS:
+    if pairs >= min_programs:
         return 1
     _, eight, four = next(row for row in _SPLIT_TABLE if row[0] is None or topk <= row[0])
     k = 8 if pairs <= eight else 4 if pairs <= four else 2
@@ -216,9 +234,12 @@ def wave_smem_bytes(cluster: int) -> int:
 def wave_fits(pairs: int, topk: int, splits: int, clusters: Clusters) -> bool:
     """Whether ``splits`` CTAs per (row, kv head) qualify for the one-wave launch: the
     clusters of ``pairs`` pairs all run at once with one CTA per SM, and each split keeps
-    _MIN_CHUNKS_PER_SPLIT chunks and its slots in the kernel."""
-    enough = -(-topk // CHUNK) >= splits * _MIN_CHUNKS_PER_SPLIT
-    return enough and fused_fits(topk, splits) and pairs <= clusters(splits)
+    _MIN_CHUNKS_PER_SPLIT chunks (_MIN_CHUNKS_SHORT for the few pairs of a short
+    selection) and its slots in the kernel."""
+    chunks = -(-topk // CHUNK)
+    short = chunks <= 16 and pairs <= 16
+    least = _MIN_CHUNKS_SHORT if short else _MIN_CHUNKS_PER_SPLIT
+    return chunks >= splits * least and fused_fits(topk, splits) and pairs <= clusters(splits)
 
 
 def wave_split(pairs: int, head_dim: int, topk: int, clusters: Clusters) -> int:
@@ -230,17 +251,23 @@ def wave_split(pairs: int, head_dim: int, topk: int, clusters: Clusters) -> int:
 
 
 def launch_split(
-    rows: int, num_kv_heads: int, topk: int, head_dim: int, sms: int, clusters: Clusters
+    rows: int,
+    num_kv_heads: int,
+    topk: int,
+    head_dim: int,
+    sms: int,
+    clusters: Clusters,
+    min_programs: int = DECODE_MIN_PROGRAMS,
 ) -> tuple[int, Config | None, bool | None]:
     """The dispatcher's (splits, config, pair) for a call it splits (below the single pass's
     crossover): the one-wave split where there is one (CLUSTER_PAIR_CONFIG when its grid is
     at most half a wave, else WAVE_CONFIG; two chunks a step), else split_count's table
     with gather_choice's rule (config and pair None)."""
     pairs = max(1, rows * num_kv_heads)
-    k = wave_split(pairs, head_dim, topk, clusters) if pairs < DECODE_MIN_PROGRAMS else 0
+    k = wave_split(pairs, head_dim, topk, clusters) if pairs < min_programs else 0
     if k:
         return k, CLUSTER_PAIR_CONFIG if 2 * pairs * k <= sms else WAVE_CONFIG, True
-    return split_count(rows, num_kv_heads, topk), None, None
+    return split_count(rows, num_kv_heads, topk, min_programs), None, None
 
 
 def fused_fits(topk: int, num_splits: int) -> bool:

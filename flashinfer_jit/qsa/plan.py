@@ -25,6 +25,7 @@ from .kernels import (
     WAVE_CONFIG,
     Clusters,
     Plan,
+    decode_min_programs,
     decode_plan,
     decode_smem_bytes,
     fused_fits,
@@ -199,29 +200,30 @@ def wave_clusters(device: int) -> Clusters:
     return lambda k: max_active_clusters(device, k, threads, wave_smem_bytes(k))
 
 
-def use_fp8_decode_kernel(base_programs: int, cache_dtype: torch.dtype) -> bool:
-    """Whether a call with ``base_programs = rows * num_kv_heads`` takes the single pass.
+def use_fp8_decode_kernel(
+    base_programs: int, cache_dtype: torch.dtype, device: int | None = None
+) -> bool:
+    """Whether a call with ``base_programs = rows * num_kv_heads`` takes the single pass on
+    ``device`` (None: the current CUDA device; without CUDA, the crossover of other archs).
 
-    Below DECODE_MIN_PROGRAMS the dispatcher splits each (row, kv head)'s selection over a
-    thread block cluster of 2-8 CTAs (``kernels.launch_split``). Measured on the H200 (sm_90,
-    tools/bench_qsa.py, CUDA-graph µs, D=128, page 64): 2-CTA clusters beat the single pass
-    up to rows * Hkv = 1024 (G=16, Hkv=4: 256 rows, topk 2048: 147 vs 150; topk 8192:
-    511 vs 537; 64 rows: 48 vs 50), the two tie at 2048 (512 rows, Hq=64, topk 2048: 278 vs
-    278; 256 rows, Hq=32, Hkv=8, topk 4096: 499 vs 500), and the single pass wins at 8192
-    (2048 rows, topk 1024: 517 vs 595). The crossover is therefore 2048, where the single
-    pass needs no cluster. The same rule is used on every arch (sm_100 not measured).
-    """
+    Below the crossover (kernels.decode_min_programs: 512 on sm_90, measured on the H200;
+    the seed's 2048 elsewhere) the dispatcher splits each (row, kv head)'s selection over a
+    thread block cluster of 2-8 CTAs (``kernels.launch_split``)."""
     require_int("base_programs", base_programs, 0)
-    return cache_dtype in FP8_CACHE_DTYPES and base_programs >= DECODE_MIN_PROGRAMS
+    if device is None and torch.cuda.is_available():
+        device = torch.cuda.current_device()
+    least = DECODE_MIN_PROGRAMS if device is None else decode_min_programs(capability(device))
+    return cache_dtype in FP8_CACHE_DTYPES and base_programs >= least
 
 
 def dispatch_split(
     rows: int, num_kv_heads: int, topk: int, head_dim: int, cache_dtype: torch.dtype, device: int
 ) -> Variant:
-    """The dispatcher's variant for a call: 1 split (the single pass) from the crossover on,
-    else kernels.launch_split on this device's SMs and clusters."""
-    if use_fp8_decode_kernel(rows * num_kv_heads, cache_dtype):
+    """The dispatcher's variant for a call: 1 split (the single pass) from the device's
+    crossover on, else kernels.launch_split on this device's SMs and clusters."""
+    if use_fp8_decode_kernel(rows * num_kv_heads, cache_dtype, device):
         return Variant()
     sms, clusters = sm_count(device), wave_clusters(device)
-    splits, config, pair = launch_split(rows, num_kv_heads, topk, head_dim, sms, clusters)
+    least = decode_min_programs(capability(device))
+    splits, config, pair = launch_split(rows, num_kv_heads, topk, head_dim, sms, clusters, least)
     return Variant(splits, None, config, None, pair)

@@ -20,6 +20,7 @@ from .kernels import (
     WAVE_CONFIG,
     Clusters,
     Plan,
+    decode_min_programs,
     decode_plan,
     default_config,
     fused_fits,
@@ -89,6 +90,7 @@ def warmup_qsa_fp8_decode(
         wave_clusters(device),
         options.tmma,
         options.lean,
+        decode_min_programs(capability(device)),
     )
     prepare(plans, device)  # compiled at once, then loaded one by one
     for family, params in plans:
@@ -122,18 +124,22 @@ def dispatch_plans(
     clusters: Clusters,
     tmma: bool = False,
     lean: bool = False,
+    min_programs: int = DECODE_MIN_PROGRAMS,
 ) -> list[Plan]:
     """Every kernel the dispatcher and the single-pass function launch for calls of this
     geometry, whatever their row count: the single pass (its loop form as ``tmma`` and
     ``lean`` flip it) with its ordered slot pass, and the cluster split-K of each row count
-    below DECODE_MIN_PROGRAMS / Hkv (``clusters``: the device's, see launch_split)."""
+    below the crossover ``min_programs`` / Hkv (``clusters``: the device's, see
+    launch_split)."""
     single = default_config(head_dim, 0, bulk_ok)
     plans = [slot_plan(page_size, True, entries)]
     plans.append(decode_plan(group, head_dim, 0, False, bulk_ok, single, tmma, lean))
     if not topk:
         return plans  # nothing to split: the single pass serves every row count
-    for rows in range(1, -(-DECODE_MIN_PROGRAMS // num_kv_heads)):
-        splits, config, pair = launch_split(rows, num_kv_heads, topk, head_dim, sms, clusters)
+    for rows in range(1, -(-min_programs // num_kv_heads)):
+        splits, config, pair = launch_split(
+            rows, num_kv_heads, topk, head_dim, sms, clusters, min_programs
+        )
         if splits == 1:
             continue
         fused = fused_fits(topk, splits)
