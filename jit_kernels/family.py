@@ -100,6 +100,10 @@ class KernelFamily:
         except KernelUnavailable as exc:
             self._refused[(params, device)] = (str(exc), self._conditions())
             raise
+        return self._install(compiled, params, device)
+
+    def _install(self, compiled: CompiledKernel, params, device: int) -> LoadedKernel:
+        """Load ``compiled`` once per (params, device), in the calling thread."""
         with self._lock:
             kernel = self._loaded.get((params, device))
             if kernel is None:
@@ -153,7 +157,16 @@ def prepare(wanted: Sequence[tuple[KernelFamily, tuple[ParamValue, ...]]], devic
     if len(missing) < 2:  # one compile gains nothing from a thread
         return
     workers = min(len(missing), os.cpu_count() or 1)
+    # The threads compile only. Loading needs the caller's CUDA context: a new thread has
+    # none current, and cuKernelGetFunction there fails with CUDA_ERROR_INVALID_CONTEXT
+    # (every QSA first call on the H200, 2026-12-02). The loads below find the cubins
+    # built; then each failed compile is compiled again by its get, in order, which raises
+    # (and remembers a refusal) as a lone get would.
     with ThreadPoolExecutor(workers, thread_name_prefix="flashinfer-jit-build") as pool:
-        futures = [pool.submit(family.get, params, device) for family, params in missing]
-    for future in futures:
-        future.result()
+        futures = [pool.submit(family._compiled, params, device) for family, params in missing]
+    for (family, params), future in zip(missing, futures, strict=True):
+        if future.exception() is None:
+            family._install(future.result(), params, device)
+    for (family, params), future in zip(missing, futures, strict=True):
+        if future.exception() is not None:
+            family.get(params, device)

@@ -15,9 +15,12 @@ from .test_engine import TEMPLATES
 class _FakeLoaded:
     loads: list[tuple[str, int]] = []
 
+    threads: list[str] = []
+
     def __init__(self, compiled, device, packer, name):
         self.compiled, self.device = compiled, device
         _FakeLoaded.loads.append((name, device))
+        _FakeLoaded.threads.append(threading.current_thread().name)
 
 
 @pytest.fixture
@@ -103,7 +106,11 @@ def test_prepare_builds_at_once(two_devices, monkeypatch):
         return counting_build(spec, arch)
 
     monkeypatch.setattr(fam.builder, "build", build)
+    _FakeLoaded.threads = []
     family_mod.prepare([(fam, (0, 4)), (fam, (12, 6)), (fam, (0, 4))], 0)
+    # Loaded in the caller's thread, where its CUDA context is current: a new thread has
+    # none (cuKernelGetFunction: CUDA_ERROR_INVALID_CONTEXT on the H200).
+    assert _FakeLoaded.threads == [threading.current_thread().name] * 2
     assert sorted(compiled) == [
         ("mla_kv_pack[num_heads=0,unroll=4]", "sm_90a"),
         ("mla_kv_pack[num_heads=12,unroll=6]", "sm_90a"),
