@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from jit_kernels import KernelBuilder, KernelFamily, Param
+from jit_kernels import KernelBuilder, KernelFamily, Param, native
 
 from ._version import __version__
 
@@ -21,6 +21,9 @@ def _template_root() -> Path:
 
 TEMPLATE_ROOT = _template_root()
 BUILDER = KernelBuilder(TEMPLATE_ROOT, __version__)
+# A first call that compiles also needs the compiled launcher, whose build (the C compiler,
+# ~0.3 s on an empty cache) then runs on a thread beside the kernel's compile.
+BUILDER.on_compile = native.resolve_in_background
 # Every family the package declares, by name (the signature test compiles each).
 FAMILIES: dict[str, KernelFamily] = {}
 

@@ -1,7 +1,8 @@
 """jit_kernels: render, compile (NVRTC / CuTe DSL), cache, load and launch GPU kernels.
 
 The engine knows no op: ops describe kernel families (a template and its parameters)
-and call ``KernelFamily.get(params, device).launch(...)``.
+and call ``KernelFamily.get(params, device).launch(...)``, or ``.bind(...)`` once for a
+launch they repeat (a replayed plan).
 """
 
 from . import cache_admin
@@ -26,7 +27,7 @@ from .cache import (
 )
 from .compile import CompiledKernel, CompileError, compile_cubin, nvrtc_version
 from .dispatch import FallbackError, fall_back, kernels_disabled, validate_inputs
-from .family import KernelFamily, KernelUnavailable
+from .family import KernelFamily, KernelUnavailable, prepare
 from .launch import ArgPacker, LaunchError, LoadedKernel, current_stream
 from .occupancy import max_active_clusters
 from .params import F32, I32, I64, PTR, TENSOR_MAP, U32, Param, Signature, struct
@@ -71,6 +72,7 @@ __all__ = [
     "max_active_clusters",
     "nvrtc_version",
     "prebuilt_roots",
+    "prepare",
     "render",
     "shipped_smem_per_block",
     "sm_count",

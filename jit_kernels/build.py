@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .cache import CubinCache, default_cache_root, prebuilt_roots
@@ -19,12 +20,14 @@ class KernelBuilder:
     """Builds specializations of the kernels under one template root.
 
     In-process results are memoized per (spec, arch), so a specialization is compiled
-    once per arch however many devices or threads ask for it.
+    once per arch however many devices or threads ask for it. ``on_compile`` (if set) is
+    called before each compile this builder runs, not on cache hits.
     """
 
     def __init__(self, template_root: Path, version: str, cache: CubinCache | None = None):
         self.template_root = template_root
         self.version = version
+        self.on_compile: Callable[[], None] | None = None
         self._cache = cache
         self._built: dict[tuple[KernelSpec, str], CompiledKernel] = {}
         self._locks: dict[tuple[KernelSpec, str], threading.Lock] = {}
@@ -42,6 +45,17 @@ class KernelBuilder:
         return sha256_hex(
             *rendered.digest_parts(), compiler_identity(spec.compiler), arch, self.version
         )
+
+    def lookup(self, spec: KernelSpec, arch: str) -> CompiledKernel | None:
+        """The kernel for ``spec`` on ``arch`` from memory or disk; None where only a compile
+        gives it. Memoized when found, so ``build`` returns it at once."""
+        memo = (spec, arch)
+        found = self._built.get(memo)
+        if found is None:
+            found = self.cache.lookup(arch, spec.family, self.cache_key(spec, arch), spec.label)
+            if found is not None:
+                found = self._built.setdefault(memo, found)
+        return found
 
     def build(self, spec: KernelSpec, arch: str) -> tuple[CompiledKernel, bool]:
         """(kernel, compiled_now) for ``spec`` on ``arch``, from memory, disk or NVRTC."""
@@ -67,6 +81,8 @@ class KernelBuilder:
             }
 
             def compile_now() -> CompiledKernel:
+                if self.on_compile is not None:
+                    self.on_compile()
                 log.info("compiling %s for %s", spec.label, arch)
                 start = time.perf_counter()
                 kernel = compile_cubin(rendered, arch)

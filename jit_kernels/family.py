@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from .arch import device_arch
 from .build import KernelBuilder
@@ -76,6 +77,15 @@ class KernelFamily:
         kernel = self._loaded.get((params, device))
         return kernel if kernel is not None else self._load(params, device)
 
+    def _ready(self, params: tuple[ParamValue, ...], device: int) -> bool:
+        """Whether ``get`` needs no compile: loaded, or its cubin in memory or on disk."""
+        if (params, device) in self._loaded:
+            return True
+        try:
+            return self.builder.lookup(self.spec(params), device_arch(device)) is not None
+        except Exception:  # noqa: BLE001 (the get that follows raises it, where it must)
+            return False
+
     def _conditions(self) -> tuple:
         """What a refusal depends on besides (params, device)."""
         return (os.environ.get(JIT_DISABLE_ENV) == "1", self.builder.cache)
@@ -90,6 +100,10 @@ class KernelFamily:
         except KernelUnavailable as exc:
             self._refused[(params, device)] = (str(exc), self._conditions())
             raise
+        return self._install(compiled, params, device)
+
+    def _install(self, compiled: CompiledKernel, params, device: int) -> LoadedKernel:
+        """Load ``compiled`` once per (params, device), in the calling thread."""
         with self._lock:
             kernel = self._loaded.get((params, device))
             if kernel is None:
@@ -130,3 +144,29 @@ class KernelFamily:
             except ImportError as exc:
                 raise KernelUnavailable(f"no compiler for {spec.label}: {exc}") from exc
         return compiled
+
+
+def prepare(wanted: Sequence[tuple[KernelFamily, tuple[ParamValue, ...]]], device: int) -> None:
+    """``family.get(params, device)`` of every ``(family, params)`` in ``wanted`` that needs a
+    compile, at once, one thread each (NVRTC releases the GIL and compiles in parallel
+    threads): a call that needs several kernels waits for the longest compile, not their
+    sum. Raises what the first of them to fail in ``wanted``'s order raised, as getting
+    them one by one would have. Cached kernels are left to those ``get`` calls (a thread
+    would only add its start to a disk read)."""
+    missing = [(f, p) for f, p in dict.fromkeys(wanted) if not f._ready(p, device)]
+    if len(missing) < 2:  # one compile gains nothing from a thread
+        return
+    workers = min(len(missing), os.cpu_count() or 1)
+    # The threads compile only. Loading needs the caller's CUDA context: a new thread has
+    # none current, and cuKernelGetFunction there fails with CUDA_ERROR_INVALID_CONTEXT
+    # (every QSA first call on the H200, 2026-12-02). The loads below find the cubins
+    # built; then each failed compile is compiled again by its get, in order, which raises
+    # (and remembers a refusal) as a lone get would.
+    with ThreadPoolExecutor(workers, thread_name_prefix="flashinfer-jit-build") as pool:
+        futures = [pool.submit(family._compiled, params, device) for family, params in missing]
+    for (family, params), future in zip(missing, futures, strict=True):
+        if future.exception() is None:
+            family._install(future.result(), params, device)
+    for (family, params), future in zip(missing, futures, strict=True):
+        if future.exception() is not None:
+            family.get(params, device)

@@ -7,14 +7,14 @@ launch.
 
 The module is compiled with the system C compiler (``$CC``, else Python's configured one
 where it exists, else ``cc``) against Python's headers, into
-``<cache root>/native/_launcher-<key><EXT_SUFFIX>``: the key hashes the source and the
-flags, EXT_SUFFIX names the Python ABI. Prebuilt bundles (FLASHINFER_JIT_CUBIN_PATH,
-``flashinfer-jit prebuild --output``) are searched first, then the cache, as for cubins;
-one ``filelock`` per file lets concurrent processes build it once, and directories other
-users can write to are refused (a shared object is code). A record beside it
-(``<name>.json``: size and sha256) is written last; a launcher that does not match its
-record (truncated, overwritten, a folder in its place) is not loaded: the cache's copy is
-rebuilt, a bundle's is skipped.
+``<cache root>/native/_launcher-<key><EXT_SUFFIX>``: the key hashes the sources (the C file
+and the header it includes) and the flags, EXT_SUFFIX names the Python ABI. Prebuilt
+bundles (FLASHINFER_JIT_CUBIN_PATH, ``flashinfer-jit prebuild --output``) are searched
+first, then the cache, as for cubins; one ``filelock`` per file lets concurrent processes
+build it once, and directories other users can write to are refused (a shared object is
+code). A record beside it (``<name>.json``: size and sha256) is written last; a launcher
+that does not match its record (truncated, overwritten, a folder in its place) is not
+loaded: the cache's copy is rebuilt, a bundle's is skipped.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ log = logging.getLogger("flashinfer_jit.jit")
 
 NATIVE_ENV = "FLASHINFER_JIT_NATIVE_LAUNCH"
 SOURCE = Path(__file__).with_name("_launcher.c")
+HEADERS = (SOURCE.with_name("_launcher_bound.h"),)  # included by SOURCE: in the key too
 FLAGS = ("-O2", "-shared", "-fPIC")
 LIBS = ("-ldl",)  # dlopen: in libc since glibc 2.34, in libdl before
 BUILD_TIMEOUT_S = 120.0
@@ -68,7 +69,8 @@ def compiler() -> list[str]:
 
 
 def file_name() -> str:
-    key = sha256_hex(SOURCE.read_bytes(), *FLAGS, *LIBS)[:16]
+    sources = (path.read_bytes() for path in (SOURCE, *HEADERS))
+    key = sha256_hex(*sources, *FLAGS, *LIBS)[:16]
     return f"_launcher-{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
 
 
@@ -198,6 +200,19 @@ def _resolve() -> ModuleType | None:
 
 _resolved: list[ModuleType | None] = []  # [the launcher or None] once resolved
 _lock = threading.Lock()
+
+
+def resolve_in_background() -> None:
+    """Start resolving the launcher on a thread unless it is resolved or switched off: a
+    build (the C compiler, ~0.3 s) then overlaps what the caller does next, a kernel's
+    NVRTC compile on a first call; ``launcher()`` waits for it (``_lock``)."""
+    if _resolved or _started or os.environ.get(NATIVE_ENV) == "0":
+        return
+    _started.append(True)
+    threading.Thread(target=launcher, name="flashinfer-jit-launcher", daemon=True).start()
+
+
+_started: list[bool] = []  # resolve_in_background ran (one thread per process)
 
 
 def launcher() -> ModuleType | None:

@@ -15,9 +15,12 @@ from .test_engine import TEMPLATES
 class _FakeLoaded:
     loads: list[tuple[str, int]] = []
 
+    threads: list[str] = []
+
     def __init__(self, compiled, device, packer, name):
         self.compiled, self.device = compiled, device
         _FakeLoaded.loads.append((name, device))
+        _FakeLoaded.threads.append(threading.current_thread().name)
 
 
 @pytest.fixture
@@ -92,3 +95,45 @@ def test_jit_disabled_uses_only_prebuilt(two_devices, monkeypatch):
     monkeypatch.setenv("FLASHINFER_JIT_DISABLE", "1")
     assert fam.get((0, 4), 1).device == 1  # found in the cache, no compiler needed
     assert len(compiled) == 1
+
+
+def test_prepare_builds_at_once(two_devices, monkeypatch):
+    fam, compiled = two_devices
+    counting_build, arrived = fam.builder.build, threading.Barrier(2, timeout=120)
+
+    def build(spec, arch):
+        arrived.wait()  # both compiles are in flight together, or this times out
+        return counting_build(spec, arch)
+
+    monkeypatch.setattr(fam.builder, "build", build)
+    _FakeLoaded.threads = []
+    family_mod.prepare([(fam, (0, 4)), (fam, (12, 6)), (fam, (0, 4))], 0)
+    # Loaded in the caller's thread, where its CUDA context is current: a new thread has
+    # none (cuKernelGetFunction: CUDA_ERROR_INVALID_CONTEXT on the H200).
+    assert _FakeLoaded.threads == [threading.current_thread().name] * 2
+    assert sorted(compiled) == [
+        ("mla_kv_pack[num_heads=0,unroll=4]", "sm_90a"),
+        ("mla_kv_pack[num_heads=12,unroll=6]", "sm_90a"),
+    ]
+    loads = list(_FakeLoaded.loads)
+    monkeypatch.setattr(family_mod, "ThreadPoolExecutor", None)  # no thread may start now
+    family_mod.prepare([(fam, (0, 4)), (fam, (12, 6))], 0)  # both loaded
+    assert fam.get((12, 6), 0).device == 0 and _FakeLoaded.loads == loads
+    family_mod.prepare([(fam, (0, 4)), (fam, (12, 6))], 1)  # both cached: the gets load them
+    assert len(compiled) == 2
+
+
+def test_prepare_raises_the_first_failure_in_order(two_devices, monkeypatch):
+    fam, compiled = two_devices
+    counting_build = fam.builder.build
+
+    def build(spec, arch):
+        if dict(spec.params)["num_heads"] == 0:
+            raise ImportError("no NVRTC here")
+        return counting_build(spec, arch)
+
+    monkeypatch.setattr(fam.builder, "build", build)
+    with pytest.raises(KernelUnavailable, match="no NVRTC here"):
+        family_mod.prepare([(fam, (0, 4)), (fam, (12, 6))], 1)
+    assert compiled == [("mla_kv_pack[num_heads=12,unroll=6]", "sm_90a")]  # built all the same
+    assert _FakeLoaded.loads == [("mla_kv_pack[num_heads=12,unroll=6]", 1)]

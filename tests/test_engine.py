@@ -147,6 +147,17 @@ def test_truncated_cubin_is_rebuilt(tmp_path, caplog):
     assert not compiled and reloaded.cubin == again.cubin
 
 
+def test_on_compile_runs_before_compiles_only_and_lookup_never_compiles(tmp_path):
+    builders, calls = [_builder(tmp_path), _builder(tmp_path)], []
+    for builder in builders:
+        builder.on_compile = lambda: calls.append("compile")
+    assert builders[1].lookup(SPEC, "sm_90a") is None
+    built, compiled = builders[0].build(SPEC, "sm_90a")
+    assert compiled and calls == ["compile"]
+    assert builders[1].lookup(SPEC, "sm_90a").cubin == built.cubin  # from disk, memoized
+    assert not builders[1].build(SPEC, "sm_90a")[1] and calls == ["compile"]
+
+
 def test_unwritable_cache_compiles_in_memory(tmp_path, caplog):
     # Root may write anywhere, so make the cache root impossible to create instead.
     blocker = tmp_path / "file"

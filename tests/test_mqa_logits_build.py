@@ -19,6 +19,7 @@ from flashinfer_jit.mqa_logits.launch import KernelPlan
 from flashinfer_jit.mqa_logits.ring import ring_family, ring_params
 from flashinfer_jit.mqa_logits.schedule import schedule_family
 from flashinfer_jit.mqa_logits.tma import tma_config
+from jit_kernels.launch import merge
 
 from .test_mqa_logits import (
     _args,
@@ -168,8 +169,8 @@ def test_fast_path_replays_the_full_path(monkeypatch, request):
     class Kernel:
         name = "fake"
 
-        def launch(self, grid, block, stream, args, smem):
-            calls.append((grid, block, args, smem))
+        def bind(self, grid, block, smem, programmatic, template):
+            return lambda stream, values: calls.append((grid, block, merge(template, values), smem))
 
     plan = KernelPlan(Kernel(), (7, 1, 1), (288, 1, 1), 1234)
     monkeypatch.setattr(mq.OP, "kernel_call", lambda args: True)

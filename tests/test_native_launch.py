@@ -1,7 +1,9 @@
 """The compiled launcher (jit_kernels.native, _launcher.c) without a GPU: it builds, caches
 and imports; a broken or missing compiler and the switch fall back to cuda-python; its
-driver types match cuda.h; against a stand-in libcuda it passes every argument through and
-LoadedKernel turns a driver error into LaunchError."""
+driver types match cuda.h; against a stand-in libcuda it passes every argument through
+(``launch`` and the bound launches, which pack them in C onto the members bound at
+binding, byte for byte as ArgPacker's struct does) and LoadedKernel turns a driver error
+into LaunchError; without it a bound launch merges its members and calls ``launch``."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from jit_kernels import native
-from jit_kernels.launch import LoadedKernel
+from jit_kernels.launch import PER_CALL, ArgPacker, LoadedKernel
 from jit_kernels.prebuild import build_native
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,6 +61,16 @@ def test_a_bundle_is_searched_first(fresh, tmp_path, monkeypatch):
     assert native.launcher() is not None and not (fresh / "native").exists()
 
 
+@needs_cc
+def test_resolving_in_the_background_builds_once(fresh, monkeypatch):
+    monkeypatch.setattr(native, "_started", [])
+    native.resolve_in_background()
+    native.resolve_in_background()  # one thread a process
+    module = native.launcher()  # waits for that thread's build (or builds, the thread waits)
+    assert module is not None and callable(module.Bound)
+    assert len(list((fresh / "native").glob(f"_launcher-*{SUFFIX}"))) == 1
+
+
 @pytest.mark.parametrize(
     "cc, level", [("/bin/false", logging.WARNING), ("/nonexistent/cc", logging.INFO)]
 )
@@ -81,6 +93,23 @@ def test_the_switch_turns_it_off(fresh, monkeypatch):
     kernel = LoadedKernel.__new__(LoadedKernel)
     kernel._bind(0x1234, native.launcher())
     assert kernel._native is None and kernel._native_pdl is None  # cuda-python launches
+
+
+def test_a_bound_launch_without_the_launcher_merges_its_members():
+    class Recording(LoadedKernel):
+        __slots__ = ("seen",)
+
+        def launch(self, grid, block, stream, args, smem=0):
+            self.seen = (grid, block, stream, args, smem)
+
+    kernel = Recording.__new__(Recording)
+    kernel.name, kernel.device, kernel.packer = "k", 0, ArgPacker(("P", "i", "q"))
+    kernel._bind(0x1234, None)
+    bound = kernel.bind((1, 1, 1), (32, 1, 1), 0, False, (PER_CALL, 5, PER_CALL))
+    bound(7, (0xAB, -3))
+    assert kernel.seen == ((1, 1, 1), (32, 1, 1), 7, (0xAB, 5, -3), 0)
+    with pytest.raises(TypeError, match="takes 2 values, got 3"):
+        bound(7, (0xAB, -3, 1))
 
 
 def test_an_insecure_cache_is_refused(fresh, caplog):
@@ -149,10 +178,17 @@ FAKE_DRIVER = """
 /* cuLaunchKernel / cuLaunchKernelEx that record their arguments; the config is read at
    cuda.h's offsets (hStream 32, attrs 40, numAttrs 48; an attribute's value at 8). */
 #include <string.h>
-int result;
+int result, nparams, nbytes;
 unsigned long long last[13];
+long long offsets[16];  /* each parameter's offset from the first, and the buffer's bytes, */
+unsigned char data[4096];  /* copied during the call: a bound launch's buffer is its stack */
+static void record(void **params) {
+  for (int i = 0; i < nparams; ++i) offsets[i] = (char *)params[i] - (char *)params[0];
+  memcpy(data, params[0], nbytes);
+}
 int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                    unsigned bz, unsigned smem, void *stream, void **params, void **extra) {
+  record(params);
   unsigned long long v[13] = {(unsigned long long)f, gx, gy, gz, bx, by, bz, smem,
                               (unsigned long long)stream, (unsigned long long)params,
                               (unsigned long long)extra, 0, 0};
@@ -160,6 +196,7 @@ int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
   return result;
 }
 int cuLaunchKernelEx(const void *config, void *f, void **params, void **extra) {
+  record(params);
   const unsigned *dims = (const unsigned *)config;
   const char *attrs = *(char *const *)((const char *)config + 40);
   unsigned long long v[13] = {(unsigned long long)f, dims[0], dims[1], dims[2], dims[3],
@@ -177,23 +214,45 @@ import ctypes, json, sys
 from pathlib import Path
 fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # dlopen("libcuda.so.1") finds it
 from jit_kernels import native
-from jit_kernels.launch import ArgPacker, LaunchError, LoadedKernel
+from jit_kernels.launch import PER_CALL, ArgPacker, LaunchError, LoadedKernel
 kernel = LoadedKernel.__new__(LoadedKernel)
-kernel.name, kernel.device, kernel.packer = "fake_kernel", 0, ArgPacker(("P", "i"))
+signature = ("P", "i", "Piq", "f", "I", "q", "M")
+kernel.name, kernel.device, kernel.packer = "fake_kernel", 0, ArgPacker(signature)
 kernel._bind(0x1234, native.load(Path(sys.argv[2])))
+values = (0xDEADBEEF, -7, 7, 9, -11, 1.5, 4000000000, -(1 << 40), bytes(range(100)))
+ctypes.c_int.in_dll(fake, "nparams").value = len(signature)
+ctypes.c_int.in_dll(fake, "nbytes").value = kernel.packer.struct.size
 last, seen = (ctypes.c_uint64 * 13).in_dll(fake, "last"), {}
-for name in ("launch", "launch_programmatic"):
-    getattr(kernel, name)((2, 3, 4), (128, 1, 2), 0x5678, (0xDEADBEEF, -7), smem=99)
-    params = ctypes.cast(last[9], ctypes.POINTER(ctypes.c_void_p))
-    values = [ctypes.c_uint64.from_address(params[0]).value,
-              ctypes.c_int32.from_address(params[1]).value]
-    seen[name] = [*last[:9], *last[10:], *values]
+offsets, data = (ctypes.c_int64 * 16).in_dll(fake, "offsets"), (ctypes.c_ubyte * 4096).in_dll(fake, "data")
+launches = {"launch": lambda *a, **k: kernel.launch(*a, **k),
+            "launch_programmatic": lambda *a, **k: kernel.launch_programmatic(*a, **k),
+            "bind": lambda g, b, s, v, smem=0: kernel.bind(g, b, smem)(s, v),
+            "bind programmatic": lambda g, b, s, v, smem=0: kernel.bind(g, b, smem, True)(s, v)}
+fixed = tuple(PER_CALL if i % 3 == 0 else v for i, v in enumerate(values))  # some bound
+per_call = values[::3]
+launches["bind template"] = lambda g, b, s, v, smem=0: kernel.bind(g, b, smem, False, fixed)(
+    s, per_call)
+for name, go in launches.items():
+    go((2, 3, 4), (128, 1, 2), 0x5678, values, smem=99)
+    packed = bytes(data[: kernel.packer.struct.size])
+    seen[name] = [*last[:9], *last[10:], list(offsets[: len(signature)]), packed.hex()]
+seen["expected"] = [list(kernel.packer.offsets), kernel.packer.struct.pack(*values).hex()]
 ctypes.c_int.in_dll(fake, "result").value = 700
-for name in ("launch", "launch_programmatic"):
+for name, go in launches.items():
     try:
-        getattr(kernel, name)((1, 1, 1), (32, 1, 1), 0, (0, 0))
+        go((1, 1, 1), (32, 1, 1), 0, values)
     except LaunchError as exc:
         seen[name + " error"] = str(exc)
+ctypes.c_int.in_dll(fake, "result").value = 0
+for bad in (values[:-1], (*values[:3], 1 << 31, *values[4:]), (*values[:5], "x", *values[6:])):
+    try:
+        kernel.bind((1, 1, 1), (32, 1, 1))(0, bad)
+    except (TypeError, OverflowError) as exc:
+        seen.setdefault("refused", []).append(type(exc).__name__)
+big = LoadedKernel.__new__(LoadedKernel)  # more parameter bytes than a bound launch packs
+big.name, big.device, big.packer = "big", 0, ArgPacker(("M",) * 40)
+big._bind(0x1234, native.load(Path(sys.argv[2])))
+seen["big"] = type(big.bind((1, 1, 1), (32, 1, 1))).__name__
 print(json.dumps(seen))
 """
 
@@ -215,11 +274,17 @@ def test_arguments_reach_the_driver_and_errors_raise_launch_error(tmp_path):
     assert run.returncode == 0, run.stderr
     seen = json.loads(run.stdout)
     dims = [0x1234, 2, 3, 4, 128, 1, 2, 99, 0x5678]
-    assert seen["launch"] == [*dims, 0, 0, 0, 0xDEADBEEF, -7]  # extra NULL, no attribute
-    assert seen["launch_programmatic"] == [*dims, 0, 6, 1, 0xDEADBEEF, -7]  # PDL allowed
-    for name in ("launch", "launch_programmatic"):
+    plain, programmatic = [*dims, 0, 0, 0], [*dims, 0, 6, 1]  # extra NULL; PDL allowed
+    for name, config in (("launch", plain), ("launch_programmatic", programmatic),
+                         ("bind", plain), ("bind programmatic", programmatic),
+                         ("bind template", plain)):  # fmt: skip
+        # every path packs the bytes ArgPacker's struct lays out, at its offsets
+        assert seen[name] == [*config, *seen["expected"]], name
         message = seen[name + " error"]
         assert "fake_kernel" in message and "CUDA_ERROR_ILLEGAL_ADDRESS: 700" in message
+        assert ("(programmatic)" in message) == (config is programmatic)
+    assert seen["refused"] == ["TypeError", "OverflowError", "TypeError"]
+    assert seen["big"] == "function"  # launches through LoadedKernel.launch instead
 
 
 @needs_cc

@@ -27,6 +27,7 @@ import flashinfer_jit.qsa.op as qsa_op
 import flashinfer_jit.qsa.plan as qsa_plan
 from flashinfer_jit.mqa_logits.launch import KernelPlan
 from jit_kernels import KernelFamily, plan_cache
+from jit_kernels.launch import merge
 
 SWITCHES = ("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", "FLASHINFER_VALIDATE_INPUTS")
 E4M3 = torch.float8_e4m3fn
@@ -44,6 +45,13 @@ class FakeKernel:
         self.launches.append((grid, block, args, smem))
 
     launch_programmatic = launch  # programmatic (PDL) launches, recorded alike
+
+    def bind(self, grid, block, smem=0, programmatic=False, template=None):
+        def launch(stream, values):  # records the whole argument list, as launch does
+            args = values if template is None else merge(template, values)
+            self.launch(grid, block, stream, args, smem)
+
+        return launch
 
     def blocks_per_sm(self, threads, smem=0):
         return 1

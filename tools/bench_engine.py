@@ -1,10 +1,28 @@
-"""Engine costs on a GPU: cold compile, warm (disk) first call, hot-call host overhead.
+"""Engine latency of every op on a GPU (issue 21, items 3-5): first calls and hot host cost.
 
-Run on the GPU machine: ``python tools/bench_engine.py``. Prints a table last.
+    python tools/bench_engine.py [--json FILE] [--calls 3000]   # on the GPU machine
+    python tools/bench_engine.py --dry-run                      # anywhere: what it measures
+
+First calls, per op (the rows of FIRST_CALLS), each in a new process with
+FLASHINFER_JIT_STRICT=1 (a fallback raises, so the kernels are what is timed) and no
+prebuilt bundle: "cold" with an empty cache (render + NVRTC + store + load, and the
+compiled launcher's build), then "warm" with the cache the cold run left (disk lookup +
+load). The figure is the call and a synchronize, in ms; importing the package is timed
+apart ("import ms"). The kernels a cold call compiled are read back from the cache's
+records (count, and the NVRTC seconds of each, summed).
+
+Hot host cost, every row of tools/engine_rows.py in one process, the rows alternating
+round by round: each call on an idle GPU (synchronized before it); "host us" the median
+wall time of the Python call, "eager us" the median CUDA-event time around it (as
+tools/profile_host.py), "x empty" the host time over the empty torch op's (the bar: 1.2).
+Prints one table last; --json writes every figure.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
 import os
 import statistics
 import subprocess
@@ -13,119 +31,201 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))  # engine_rows, bench_util
+sys.path.insert(0, str(ROOT))
 
-_FIRST_CALL = """
-import time, torch, sys
-sys.path.insert(0, {repo!r})
-torch.zeros(1, device="cuda"); torch.cuda.synchronize()
-from flashinfer_jit.mla_kv_pack import concat_mla_kv_quant_fp8 as op
-kv = torch.randn({tokens}, {heads}, 256, device="cuda", dtype=torch.bfloat16)
-pe = torch.randn({tokens}, 64, device="cuda", dtype=torch.bfloat16)
-start = time.perf_counter(); op(kv, pe, backend="specialized"); torch.cuda.synchronize()
-print((time.perf_counter() - start) * 1e3)
-"""
+import torch  # noqa: E402
+from bench_util import warm_gpu  # noqa: E402
+from engine_rows import EMPTY_OP, ROWS, calls  # noqa: E402
 
-
-def first_call_ms(cache: str, heads: int) -> float:
-    env = {**os.environ, "FLASHINFER_JIT_CACHE_DIR": cache, "FLASHINFER_JIT_STRICT": "1"}
-    script = _FIRST_CALL.format(repo=str(REPO), tokens=64, heads=heads)
-    out = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
-    )
-    return float(out.stdout.strip().splitlines()[-1])
+# The row whose first call stands for each op's (QSA: one row per set of kernels compiled).
+FIRST_CALLS = (
+    "concat 1x16 out=None",
+    "mqa B=1 L=8192 out=None",
+    "qsa attention rows=4 (cluster)",
+    "qsa decode rows=4 (slots+1 pass)",
+)
+BAR = 1.2  # item 4: a cached call's host time within 1.2x of the empty torch op's
+ROUNDS = 30  # hot rows alternate this many times
+CHILD_TIMEOUT_S = 300
 
 
-def hot_overhead_us() -> dict[str, float]:
-    import torch
+def child(row: str) -> None:
+    """One row's first and second call in this (new) process: JSON on the last line."""
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    import flashinfer_jit  # noqa: F401 (what importing the package costs)
 
-    sys.path.insert(0, str(REPO))
-    from flashinfer_jit.mla_kv_pack import concat_mla_kv_quant_fp8
-    from flashinfer_jit.mla_kv_pack.specialized import family
-    from jit_kernels import current_stream
-
-    kv = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
-    pe = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)
-    key, value = concat_mla_kv_quant_fp8(kv, pe)
-    small = torch.zeros(16, device="cuda")
-    kernel = family.get((0, 4), 0)
-    args = (kv.data_ptr(), pe.data_ptr(), key.data_ptr(), value.data_ptr(), 1, 1, 1, 64)
-
-    def per_call(fn, n=20000) -> float:
-        for _ in range(200):
-            fn()
+    import_ms = (time.perf_counter() - start) * 1e3
+    call = ROWS[row].make("cuda")
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        call()
         torch.cuda.synchronize()
-        samples = []
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(n // 5):
+        times.append((time.perf_counter() - start) * 1e3)
+    print(json.dumps({"import_ms": import_ms, "first_ms": times[0], "second_ms": times[1]}))
+
+
+def run_child(row: str, cache: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "FLASHINFER_JIT_CUBIN_PATH"}
+    env.update(FLASHINFER_JIT_CACHE_DIR=cache, FLASHINFER_JIT_STRICT="1")
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", row],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"first call of {row!r} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compiled_kernels(cache: str) -> list[dict]:
+    """The cache's records: what the cold call compiled, with NVRTC seconds."""
+    records = []
+    for meta in sorted(Path(cache).rglob("*.json")):
+        record = json.loads(meta.read_text())
+        if "compile_seconds" in record:
+            records.append({"label": record["label"], "seconds": record["compile_seconds"]})
+    return records
+
+
+def first_calls(rows: tuple[str, ...]) -> list[dict]:
+    results = []
+    for row in rows:
+        with tempfile.TemporaryDirectory(prefix="fij-bench-") as cache:
+            try:
+                cold = run_child(row, cache)
+                kernels = compiled_kernels(cache)
+                warm = run_child(row, cache)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the other rows go on
+                print(f"{row}: FAILED {exc}", flush=True)
+                results.append({"row": row, "op": ROWS[row].op, "error": str(exc)})
+                continue
+        results.append(
+            {"row": row, "op": ROWS[row].op, "cold": cold, "warm": warm, "kernels": kernels}
+        )
+        print(
+            f"{row}: cold {cold['first_ms']:.1f} ms ({len(kernels)} kernels), "
+            f"warm {warm['first_ms']:.2f} ms",
+            flush=True,
+        )
+    return results
+
+
+def hot_rows(calls_per_row: int) -> dict[str, dict]:
+    """Median host and eager us per call of every row, the rows alternating."""
+    table = calls("cuda")
+    for fn in table.values():  # compiled, loaded and replayable before anything is timed
+        for _ in range(50):
+            fn()
+    warm_gpu()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host: dict[str, list[float]] = {name: [] for name in table}
+    eager: dict[str, list[float]] = {name: [] for name in table}
+    per_round = max(1, calls_per_row // ROUNDS)
+    for _ in range(ROUNDS):
+        for name, fn in table.items():
+            for _ in range(per_round):
+                torch.cuda.synchronize()
+                start.record()
+                t0 = time.perf_counter()
                 fn()
-            samples.append((time.perf_counter() - start) / (n // 5) * 1e6)
-            torch.cuda.synchronize()
-        return statistics.median(samples)
-
-    # The same launch through a ctypes binding of libcuda's cuLaunchKernel, to see what the
-    # cuda-bindings wrapper itself costs per call.
-    import ctypes
-
-    libcuda = ctypes.CDLL("libcuda.so.1")
-    raw = libcuda.cuLaunchKernel
-    raw.restype = ctypes.c_int
-    raw.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-    func = int(kernel.function)
-
-    def ctypes_launch():
-        params = kernel.packer.pack(args)
-        err = raw(func, 1, 1, 1, 256, 1, 1, 0, current_stream(0), params, None)
-        if err:
-            raise RuntimeError(err)
-
+                t1 = time.perf_counter()
+                end.record()
+                end.synchronize()
+                host[name].append((t1 - t0) * 1e6)
+                eager[name].append(start.elapsed_time(end) * 1e3)
+    empty = statistics.median(host[EMPTY_OP])
     return {
-        "ctypes cuLaunchKernel (same packing and stream lookup)": per_call(ctypes_launch),
-        "empty torch op (x.add_(1), 16 elems)": per_call(lambda: small.add_(1)),
-        "engine launch (LoadedKernel.launch)": per_call(
-            lambda: kernel.launch((1, 1, 1), (256, 1, 1), current_stream(0), args)
-        ),
-        "op call, outputs given": per_call(lambda: concat_mla_kv_quant_fp8(kv, pe, key, value)),
-        "op call, outputs allocated": per_call(lambda: concat_mla_kv_quant_fp8(kv, pe)),
+        name: {
+            "op": ROWS[name].op,
+            "outputs": ROWS[name].outputs,
+            "host_us": statistics.median(host[name]),
+            "eager_us": statistics.median(eager[name]),
+            "x_empty": statistics.median(host[name]) / empty,
+        }
+        for name in table
     }
 
 
-def main() -> None:
-    rows = []
-    with tempfile.TemporaryDirectory() as cache:
-        for heads in (12, 16):  # the two specialized variants (12 unrolled, runtime heads)
-            rows.append(
-                (
-                    f"cold first call, heads={heads} (NVRTC compile + load)",
-                    first_call_ms(cache, heads),
-                    "ms",
-                )
-            )
-            rows.append(
-                (
-                    f"warm first call, heads={heads} (disk cache + load)",
-                    first_call_ms(cache, heads),
-                    "ms",
-                )
-            )
-        import json
+def print_table(first: list[dict], hot: dict[str, dict], device: str) -> None:
+    width = max(map(len, ROWS))
+    print(f"\nengine latency on {device}")
+    print(f"{'first call (new process)':{width}}  cold ms  kernels  warm ms  import ms")
+    for r in first:
+        if "error" in r:
+            print(f"{r['row']:{width}}  failed (see above)")
+            continue
+        cold, warm = r["cold"], r["warm"]
+        print(
+            f"{r['row']:{width}}  {cold['first_ms']:7.1f}  {len(r['kernels']):7d}  "
+            f"{warm['first_ms']:7.2f}  {warm['import_ms']:9.1f}"
+        )
+    print(f"\n{'hot call (cached, GPU idle)':{width}}  host us  eager us  x empty (bar {BAR})")
+    for name, h in hot.items():
+        mark = "" if h["op"] == "torch" else ("  ok" if h["x_empty"] <= BAR else "  over")
+        print(
+            f"{name:{width}}  {h['host_us']:7.1f}  {h['eager_us']:8.1f}  {h['x_empty']:7.2f}{mark}"
+        )
 
-        for meta in Path(cache).rglob("*.json"):
-            record = json.loads(meta.read_text())
-            rows.append(
-                (
-                    f"compile seconds {record['label']} {record['arch']}",
-                    record["compile_seconds"],
-                    "s",
-                )
-            )
-    for name, value in hot_overhead_us().items():
-        rows.append((f"host time per call: {name}", value, "us"))
-    width = max(len(r[0]) for r in rows)
-    print("\nengine measurements")
-    for name, value, unit in rows:
-        print(f"{name.ljust(width)}  {value:9.3f} {unit}")
+
+def commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def dry_run() -> None:
+    print("first calls (cold: empty cache, then warm: that cache), one new process each:")
+    for row in FIRST_CALLS:
+        print(f"  {ROWS[row].op:5s} {row}")
+    print(f"hot host cost, {ROUNDS} alternating rounds, beside {EMPTY_OP!r}:")
+    for name, row in ROWS.items():
+        print(f"  {row.op:5s} {name}" + (f" (outputs {row.outputs})" if row.outputs else ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=3000, help="hot calls per row")
+    parser.add_argument("--json", metavar="FILE", help="write every figure here")
+    parser.add_argument("--dry-run", action="store_true", help="list what it would measure")
+    parser.add_argument("--commit", default=None, help="what the JSON records (default: git's)")
+    parser.add_argument("--child", metavar="ROW", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child)
+        return
+    if args.dry_run:
+        dry_run()
+        return
+    if not torch.cuda.is_available():
+        parser.error("no GPU: --dry-run lists what would be measured")
+    first = first_calls(FIRST_CALLS)
+    hot = hot_rows(args.calls)
+    device = torch.cuda.get_device_name()
+    print_table(first, hot, device)
+    if args.json:
+        report = {
+            "date": datetime.date.today().isoformat(),
+            "commit": args.commit or commit(),
+            "device": device,
+            "first_calls": first,
+            "hot": hot,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import dataclasses
 import torch
 
 from jit_kernels import KernelSpec, KernelUnavailable, capability, current_stream, sm_count
+from jit_kernels.launch import PER_CALL
 
 from .._jit import cuda_device_index
 from ..contract import Op, Options, ScalarArg, TensorArg
@@ -30,20 +31,19 @@ class MlaKvPackOptions(Options):
 
 
 class Plan:
-    """One fused launch with everything but the four tensors' addresses fixed."""
+    """One fused launch with everything but the four tensors' addresses fixed: ``members``,
+    the kernel's flattened arguments with those four PER_CALL, bound once."""
 
     __slots__ = (
-        *("kernel", "grid", "block", "device", "align_mask", "scalars", "cake", "replay"),
-        *("shapes", "place", "rows"),
+        *("kernel", "grid", "block", "device", "align_mask", "replay", "shapes", "place"),
+        *("rows", "go"),
     )
 
-    def __init__(
-        self, kernel, shape: tuple, kv_nope, align: int, scalars: tuple, cake_layout: bool
-    ):
+    def __init__(self, kernel, shape: tuple, kv_nope, align: int, members: tuple):
         self.kernel, (self.grid, self.block) = kernel, shape
+        self.go = kernel.bind(self.grid, self.block, template=members)
         self.device = cuda_device_index(kv_nope)
-        self.align_mask, self.scalars, self.cake = align - 1, scalars, cake_layout
-        self.replay = True
+        self.align_mask, self.replay = align - 1, True
         tokens, heads, width = kv_nope.shape
         self.shapes = ((tokens, heads, NOPE + ROPE), (tokens, heads, width - NOPE))
         self.place = kv_nope.device
@@ -56,21 +56,17 @@ class Plan:
         nothing launched, if an address is misaligned or key and value overlap (the full
         path's checks then say so). The metadata and the scalars are this plan's (the replay
         key says so)."""
+        # Sizes as separate arguments: ~0.4 us less per allocation than a tuple (CPU).
         if key is None:
-            key = torch.empty(self.shapes[0], dtype=E4M3, device=self.place)
+            key = torch.empty(*self.shapes[0], dtype=E4M3, device=self.place)
         if value is None:
-            value = torch.empty(self.shapes[1], dtype=E4M3, device=self.place)
+            value = torch.empty(*self.shapes[1], dtype=E4M3, device=self.place)
         kv, pe, k, v = kv_nope.data_ptr(), k_pe.data_ptr(), key.data_ptr(), value.data_ptr()
         if (kv | pe | k | v) & self.align_mask:
             return None
         if k < v + self.rows * V and v < k + self.rows * (NOPE + ROPE):
             return None
-        if self.cake:  # kv_nope {ptr; rows}, k_pe {ptr; T; LD}, key {ptr; rows}, value {ptr; rows}
-            rows, tokens, pe_stride, tail = self.scalars
-            params = (kv, rows, pe, tokens, pe_stride, k, rows, v, rows, *tail)
-        else:
-            params = (kv, pe, k, v, *self.scalars)
-        self.kernel.launch(self.grid, self.block, current_stream(self.device), params)
+        self.go(current_stream(self.device), (kv, pe, k, v))
         return key, value
 
 
@@ -79,8 +75,8 @@ def plan_specialized_launch(kv_nope, k_pe, heads_per_warp: int | None = None) ->
     kernel = specialized.family.get(specialized.params(heads), cuda_device_index(kv_nope))
     per_warp = plan_specialized(tokens, heads) if heads_per_warp is None else heads_per_warp
     shape = specialized.launch_shape(tokens, heads, per_warp)
-    scalars = (tokens, heads, per_warp, k_pe.stride(0))
-    return Plan(kernel, shape, kv_nope, specialized.ALIGN, scalars, False)
+    members = (PER_CALL,) * 4 + (tokens, heads, per_warp, k_pe.stride(0))
+    return Plan(kernel, shape, kv_nope, specialized.ALIGN, members)
 
 
 def plan_cake_launch(kv_nope, k_pe, head_group: int | None = None) -> Plan:
@@ -89,8 +85,11 @@ def plan_cake_launch(kv_nope, k_pe, head_group: int | None = None) -> Plan:
     group = plan_cake(tokens, heads, sm_count(device)) if head_group is None else head_group
     kernel = cake.family.get((group,), device)
     grid, block, groups_per_token = cake.launch_shape(tokens, heads, group)
-    scalars = (tokens * heads, tokens, k_pe.stride(0), (tokens, heads, groups_per_token))
-    return Plan(kernel, (grid, block), kv_nope, cake.ALIGN, scalars, True)
+    rows, pe_stride = tokens * heads, k_pe.stride(0)
+    # kv_nope {ptr; rows}, k_pe {ptr; T; LD}, key {ptr; rows}, value {ptr; rows}
+    members = (PER_CALL, rows, PER_CALL, tokens, pe_stride, PER_CALL, rows, PER_CALL, rows)
+    members += (tokens, heads, groups_per_token)
+    return Plan(kernel, (grid, block), kv_nope, cake.ALIGN, members)
 
 
 # name -> (its own refusal, its planner from (kv_nope, k_pe, options))

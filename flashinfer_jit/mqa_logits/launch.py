@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from jit_kernels import LoadedKernel, current_stream
+from jit_kernels.launch import PER_CALL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,6 @@ class Launch:
             plan.smem,
         )
         self.extra, self.kv_args, self.replay = plan.extra, plan.kv_args, True
-        self.go = self.kernel.launch_programmatic if plan.programmatic else self.kernel.launch
         self.device = device
         self.copy = not (q.is_contiguous() and weights.is_contiguous())
         self.table_stride, self.lens_stride = block_tables.stride(0), seq_lens.stride(0)
@@ -73,6 +73,12 @@ class Launch:
         whole = tuple(out.shape) == (rows, max_seq_len)
         self.view = None if whole else ((rows, max_seq_len), out.stride())
         self.kv_memo: tuple[int, tuple] = (-1, ())  # (kv_fused address, its kv args)
+        # q, kv_fused, weights, tables, lengths, schedule and out (+ the pool's tensor map)
+        # change per call; the strides and the batch are this launch's metadata.
+        members = (PER_CALL,) * 4 + (self.table_stride, PER_CALL, self.lens_stride, PER_CALL)
+        members += (PER_CALL, self.out_stride, self.batch, *self.extra)
+        members += (PER_CALL,) * (plan.kv_args is not None)
+        self.go = plan.kernel.bind(plan.grid, plan.block, plan.smem, plan.programmatic, members)
 
     # fmt: off
     def run(self, q, kv_fused, weights, block_tables, seq_lens, max_seq_len: int, output_dtype,
@@ -98,9 +104,8 @@ class Launch:
         if out is None:  # sizes as separate arguments: ~0.3 us faster than a tuple (CPU)
             out = torch.empty(*self.alloc, dtype=self.dtype, device=self.place)
         args = (
-            q_ptr, kv_ptr, weights.data_ptr(), block_tables.data_ptr(), self.table_stride,
-            lens_ptr, self.lens_stride, 0 if schedule is None else schedule.data_ptr(),
-            out.data_ptr(), self.out_stride, self.batch, *self.extra,
+            q_ptr, kv_ptr, weights.data_ptr(), block_tables.data_ptr(), lens_ptr,
+            0 if schedule is None else schedule.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         if self.kv_args is not None:  # per-pool arguments (the TMA kernel's tensor map)
             # They depend on the pool's address and metadata only, and this launch fixes
@@ -109,6 +114,6 @@ class Launch:
             if memo[0] != kv_ptr:
                 memo = self.kv_memo = (kv_ptr, self.kv_args(kv_ptr, kv_fused))
             args += memo[1]
-        self.go(self.grid, self.block, current_stream(self.device), args, self.smem)
+        self.go(current_stream(self.device), args)
         # as_strided is the [:rows, :max_seq_len] view, ~0.4-0.9 us cheaper (timeit, CPU)
         return out if self.view is None else out.as_strided(*self.view)

@@ -9,19 +9,20 @@ metadata (``flashinfer_jit.contract.Runner``) replays the stored launch through 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from jit_kernels import LoadedKernel, current_stream
+from jit_kernels.launch import PER_CALL, BoundLaunch
 
 LOG2E = 1.4426950408889634  # the decode takes softmax_scale * log2(e) (it uses exp2)
 
 
-def _launcher(kernel: LoadedKernel, pdl: bool) -> Callable:
+def _launcher(
+    kernel: LoadedKernel, grid: tuple, block: tuple, smem: int, pdl: bool, members: tuple
+) -> BoundLaunch:
     # PDL (QsaOptions.pdl): every QSA kernel waits for the previous kernel's results
     # (griddepcontrol.wait) before its first global access, so it may be launched early.
-    return kernel.launch_programmatic if pdl else kernel.launch
+    return kernel.bind(grid, block, smem, pdl, members)
 
 
 class SlotPass:
@@ -29,9 +30,7 @@ class SlotPass:
     followed (``order``: for the single pass) by the rows in the order the decode takes them
     (``kernel`` None: no columns and no order, nothing to launch)."""
 
-    __slots__ = (
-        *("kernel", "launch", "grid", "block", "size", "device", "idx", "table", "t2r", "tail"),
-    )
+    __slots__ = ("kernel", "launch", "grid", "block", "size", "device")
 
     def __init__(
         self,
@@ -48,30 +47,19 @@ class SlotPass:
         pdl: bool,
     ):
         self.kernel, self.grid, self.block = kernel, grid, block
-        self.launch = None if kernel is None else _launcher(kernel, pdl)
-        rows = logical_indices.shape[0]
+        rows, topk = logical_indices.shape[0], logical_indices.shape[1] - 1
         self.size, self.device = rows * columns + rows * order, logical_indices.device
-        self.idx, self.table = logical_indices.stride(), block_table.stride()
-        self.t2r = token_to_req.stride(0)
-        topk = logical_indices.shape[1] - 1
-        self.tail = (
-            topk,
-            columns,
-            block_table.shape[1],
-            block_table.shape[0],
-            num_blocks,
-            offset_bits,
-        )
+        # The indices, table, token_to_req and slots addresses change per call.
+        members = (PER_CALL, *logical_indices.stride(), PER_CALL, *block_table.stride())
+        members += (PER_CALL, token_to_req.stride(0), PER_CALL, topk, columns)
+        members += (block_table.shape[1], block_table.shape[0], num_blocks, offset_bits)
+        self.launch = None if kernel is None else _launcher(kernel, grid, block, 0, pdl, members)
 
     def run(self, idx_ptr: int, table_ptr: int, t2r_ptr: int, stream: int) -> torch.Tensor:
         """Launch on ``stream``; returns the flat buffer (slots, then the order)."""
         slots = torch.empty(self.size, dtype=torch.int32, device=self.device)
-        if self.kernel is not None:
-            args = (
-                idx_ptr, *self.idx, table_ptr, *self.table, t2r_ptr, self.t2r, slots.data_ptr(),
-                *self.tail,
-            )  # fmt: skip
-            self.launch(self.grid, self.block, stream, args)
+        if self.launch is not None:
+            self.launch(stream, (idx_ptr, table_ptr, t2r_ptr, slots.data_ptr()))
         return slots
 
 
@@ -81,9 +69,8 @@ class DecodeLaunch:
     byte distance from k_cache to v_cache that the kernel relies on."""
 
     __slots__ = (
-        *("kernel", "grid", "block", "smem", "device", "slot_pass", "q", "k", "v", "columns"),
-        *("counts", "idx", "out", "gate", "idx_column", "table", "tail", "kv_gap", "launch"),
-        "replay",
+        *("kernel", "grid", "block", "smem", "device", "slot_pass", "counts", "kv_gap"),
+        *("launch", "replay"),
     )
 
     def __init__(
@@ -104,18 +91,20 @@ class DecodeLaunch:
         token_to_req, out and output_gate, whose metadata the launch fixes."""
         q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, output_gate = tensors
         self.kernel, self.grid, self.block, self.smem = kernel, grid, block, smem
-        self.device, self.slot_pass, self.columns = device, slot_pass, columns
-        self.kv_gap, self.launch, self.replay = kv_gap, _launcher(kernel, pdl), True
+        self.device, self.slot_pass, self.kv_gap, self.replay = device, slot_pass, kv_gap, True
         num_blocks, page_size, num_kv_heads, _ = k_cache.shape
         topk = logical_indices.shape[1] - 1
-        # byte strides (e4m3: 1 B) of the caches; the count is the indices' last column
-        self.q, self.k, self.v = q.stride()[:2], k_cache.stride()[:3], v_cache.stride()[:3]
-        self.counts = topk * logical_indices.stride(1) * 4
-        self.idx = (logical_indices.stride(0), topk, offset_bits, num_kv_heads)
-        self.out, self.gate = out.stride()[:2], output_gate.stride()[:2]
-        self.idx_column = logical_indices.stride(1)
-        self.table = (*block_table.stride(), block_table.shape[1], block_table.shape[0])
-        self.tail = (token_to_req.stride(0), num_blocks, page_size)
+        self.counts = topk * logical_indices.stride(1) * 4  # the indices' last column
+        # Per call: the addresses (the slots', the counts') and the scales; the rest is
+        # metadata: byte strides (e4m3: 1 B) of the caches, the indices' and table's.
+        members = (PER_CALL, *q.stride()[:2], PER_CALL, *k_cache.stride()[:3], PER_CALL)
+        members += (*v_cache.stride()[:3], PER_CALL, columns, PER_CALL)
+        members += (logical_indices.stride(0), topk, offset_bits, num_kv_heads, PER_CALL)
+        members += (*out.stride()[:2], PER_CALL, *output_gate.stride()[:2], PER_CALL, PER_CALL)
+        members += (PER_CALL, logical_indices.stride(1), PER_CALL, *block_table.stride())
+        members += (block_table.shape[1], block_table.shape[0], PER_CALL)
+        members += (token_to_req.stride(0), num_blocks, page_size)
+        self.launch = _launcher(kernel, grid, block, smem, pdl, members)
 
     # fmt: off
     def run(self, q, k_cache, v_cache, logical_indices, block_table, token_to_req, out,
@@ -141,10 +130,8 @@ class DecodeLaunch:
             slots = self.slot_pass.run(idx_ptr, table_ptr, t2r_ptr, stream)
             slots_ptr = slots.data_ptr()
         params = (
-            q_ptr, *self.q, k_ptr, *self.k, v_ptr, *self.v, slots_ptr, self.columns,
-            idx_ptr + self.counts, *self.idx, out_ptr, *self.out, gate_ptr, *self.gate,
-            float(softmax_scale) * LOG2E, float(output_scale),
-            idx_ptr, self.idx_column, table_ptr, *self.table, t2r_ptr, *self.tail,
+            q_ptr, k_ptr, v_ptr, slots_ptr, idx_ptr + self.counts, out_ptr, gate_ptr,
+            float(softmax_scale) * LOG2E, float(output_scale), idx_ptr, table_ptr, t2r_ptr,
         )  # fmt: skip
-        self.launch(self.grid, self.block, stream, params, self.smem)
+        self.launch(stream, params)
         return out

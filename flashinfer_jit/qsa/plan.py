@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from jit_kernels import capability, current_stream, max_active_clusters, sm_count
+from jit_kernels import capability, current_stream, max_active_clusters, prepare, sm_count
 from jit_kernels.args import require_int
 
 from .._jit import cuda_device_index
@@ -24,6 +24,7 @@ from .kernels import (
     SLOT_THREADS,
     WAVE_CONFIG,
     Clusters,
+    Plan,
     decode_min_programs,
     decode_plan,
     decode_smem_bytes,
@@ -126,6 +127,8 @@ def decode_launch(args: tuple, options: QsaOptions, variant: Variant) -> DecodeL
         num_q_heads // num_kv_heads, head_dim, cluster, fused, bulk, config, options.tmma,
         options.lean, pair,
     )  # fmt: skip
+    slots = None if fused else slot_kernel(topk, page_size, not cluster, options)
+    prepare([(family, params)] + ([slots] if slots else []), device)  # compiled at once
     slot_pass = None
     if not fused:
         slot_pass = make_slot_pass(
@@ -146,6 +149,12 @@ def decode_launch(args: tuple, options: QsaOptions, variant: Variant) -> DecodeL
     )
 
 
+def slot_kernel(topk: int, page_size: int, order: bool, options: QsaOptions) -> Plan | None:
+    """The slot pass's kernel, None where it launches nothing (no columns, no order)."""
+    columns = -(-topk // CHUNK) * CHUNK
+    return slot_plan(page_size, order, options.slot_entries) if columns or order else None
+
+
 def make_slot_pass(
     logical_indices, block_table, token_to_req, k_cache, order: bool, options: QsaOptions
 ) -> SlotPass:
@@ -155,9 +164,9 @@ def make_slot_pass(
     num_blocks, page_size, _, _ = k_cache.shape
     columns = -(-topk // CHUNK) * CHUNK
     entries = options.slot_entries
-    kernel = None
-    if columns or order:
-        family, params = slot_plan(page_size, order, entries)
+    kernel, plan = None, slot_kernel(topk, page_size, order, options)
+    if plan is not None:
+        family, params = plan
         kernel = family.get(params, cuda_device_index(logical_indices))
     return SlotPass(
         kernel,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from jit_kernels import KernelSpec, capability, kernels_disabled, sm_count
+from jit_kernels import KernelSpec, capability, kernels_disabled, prepare, sm_count
 from jit_kernels.args import require_int
 
 from .._jit import cuda_device_index
@@ -92,6 +92,7 @@ def warmup_qsa_fp8_decode(
         options.lean,
         decode_min_programs(capability(device)),
     )
+    prepare(plans, device)  # compiled at once, then loaded one by one
     for family, params in plans:
         family.get(params, device)
     return tuple((family.family, params) for family, params in plans)

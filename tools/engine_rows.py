@@ -1,0 +1,123 @@
+"""The eager calls the host-cost tools time (tools/profile_host.py, tools/bench_engine.py):
+one table of rows, each an op's call on tiny or empty inputs (zero valid counts), so the
+kernels take a few microseconds and the host path dominates.
+
+A row's ``make(device)`` builds its inputs and returns the call; the ops are imported
+there, so a process that times one row's first call imports nothing else first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+D = 128  # head_dim of the MQA and QSA rows
+
+Call = Callable[[], object]
+
+
+class Row(NamedTuple):
+    op: str  # "mqa" (and its DeepGEMM surface), "qsa", "pack" or "torch" (the empty op)
+    outputs: str  # "allocated", "given" or "" (the op has no output argument to leave out)
+    make: Callable[[str], Call]
+
+
+def mqa_inputs(batch: int, length: int, device: str, block: int = 64, heads: int = 64) -> tuple:
+    blocks = batch * -(-length // block)
+    q = torch.zeros(batch, 1, heads, D, device=device).to(torch.float8_e4m3fn)
+    kv = torch.zeros(blocks, block, 1, D + 4, dtype=torch.uint8, device=device)
+    kv[..., D:] = torch.ones(1).view(torch.uint8).to(device)  # fp32 scales 1.0
+    w = torch.ones(batch, heads, device=device)
+    table = torch.arange(blocks, dtype=torch.int32, device=device).view(batch, -1)
+    lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+    return q, kv, w, table, lens
+
+
+def qsa_inputs(rows: int, device: str, hq: int = 64, hkv: int = 4, topk: int = 2048) -> tuple:
+    """Serving-shaped QSA arguments (k/v views of one combined cache), zero valid counts."""
+    page, blocks, requests = 64, 256, 16
+    kv = torch.zeros(blocks, hkv, page, 2 * D, dtype=torch.uint8, device=device)
+    k_cache, v_cache = kv.transpose(1, 2).split(D, dim=-1)
+    indices = torch.zeros(rows, topk + 1, dtype=torch.int32, device=device)
+    table = torch.zeros(requests, blocks // requests, dtype=torch.int32, device=device)
+    t2r = torch.zeros(rows, dtype=torch.int32, device=device)
+    q = torch.zeros(rows, hq, D, dtype=torch.bfloat16, device=device)
+    out, gate = torch.empty_like(q), torch.zeros_like(q)
+    return q, k_cache, v_cache, indices, table, t2r, out, gate, 1 / math.sqrt(D), 1.0
+
+
+def _mqa(length: int, given: bool) -> Callable[[str], Call]:
+    def make(device: str) -> Call:
+        from flashinfer_jit import fp8_paged_mqa_logits, padded_seq_len
+
+        args = mqa_inputs(1, length, device)
+        if not given:
+            return lambda: fp8_paged_mqa_logits(*args, length)
+        out = torch.empty(1, padded_seq_len(length), device=device)
+        return lambda: fp8_paged_mqa_logits(*args, length, out=out)
+
+    return make
+
+
+def _deep_gemm(device: str) -> Call:
+    import flashinfer_jit.deep_gemm as deep_gemm
+
+    q, kv, w, table, lens = mqa_inputs(1, 8192, device)
+    lens2d = lens.view(1, 1)  # [B, next_n], as vLLM passes them
+    schedule = deep_gemm.get_paged_mqa_logits_metadata(lens2d, 64, deep_gemm.get_num_sms())
+    return lambda: deep_gemm.fp8_paged_mqa_logits(q, kv, w, lens2d, table, schedule, 8192)
+
+
+def _qsa(rows: int, entry: str) -> Callable[[str], Call]:
+    def make(device: str) -> Call:
+        import flashinfer_jit.qsa as qsa
+
+        fn, args = getattr(qsa, entry), qsa_inputs(rows, device)
+        return lambda: fn(*args)
+
+    return make
+
+
+def _pack(given: bool) -> Callable[[str], Call]:
+    def make(device: str) -> Call:
+        from flashinfer_jit.mla_kv_pack import concat_mla_kv_quant_fp8 as pack
+
+        kv = torch.zeros(1, 16, 256, dtype=torch.bfloat16, device=device)
+        pe = torch.zeros(1, 576, dtype=torch.bfloat16, device=device)[:, 512:]  # as serving
+        if not given:
+            return lambda: pack(kv, pe)
+        key = torch.empty(1, 16, 192, dtype=torch.float8_e4m3fn, device=device)
+        value = torch.empty(1, 16, 128, dtype=torch.float8_e4m3fn, device=device)
+        return lambda: pack(kv, pe, key, value)
+
+    return make
+
+
+def _empty_op(device: str) -> Call:
+    small = torch.zeros(16, device=device)
+    return lambda: small.add_(1)
+
+
+EMPTY_OP = "empty torch op (x.add_(1))"
+ROWS: dict[str, Row] = {
+    "mqa B=1 L=8192 out=None": Row("mqa", "allocated", _mqa(8192, False)),
+    "mqa B=1 L=8192 out=given": Row("mqa", "given", _mqa(8192, True)),
+    "mqa B=1 L=8000 out=None (a view)": Row("mqa", "allocated", _mqa(8000, False)),
+    "mqa B=1 via deep_gemm, 2-D lens": Row("mqa", "allocated", _deep_gemm),
+    "qsa attention rows=4 (cluster)": Row("qsa", "", _qsa(4, "qsa_sparse_paged_attention")),
+    "qsa attention rows=512 (slots+1 pass)": Row(
+        "qsa", "", _qsa(512, "qsa_sparse_paged_attention")
+    ),
+    "qsa decode rows=4 (slots+1 pass)": Row("qsa", "", _qsa(4, "qsa_sparse_paged_decode")),
+    "concat 1x16 out=given": Row("pack", "given", _pack(True)),
+    "concat 1x16 out=None": Row("pack", "allocated", _pack(False)),
+    EMPTY_OP: Row("torch", "", _empty_op),
+}
+
+
+def calls(device: str) -> dict[str, Call]:
+    """Row name -> one eager call, every row's inputs built on ``device``."""
+    return {name: row.make(device) for name, row in ROWS.items()}
