@@ -19,6 +19,7 @@ from jit_kernels.prebuild import (
     build_all,
     build_native,
     kernel_counts,
+    one_line,
     prebuild_cache,
 )
 
@@ -114,6 +115,15 @@ def _summarize(results: list[BuildResult]) -> int:
         for (op, arch), s in sorted(stats.items())
     ]
     print(table(["op", "arch", "kernels", "compiled", "cached", "failed", "seconds"], rows))
+    warned = [r for r in results if r.messages]
+    if warned:  # built and stored, but the compiler flagged them (ptxas performance warnings)
+        first = warned[0]
+        more = f" and {len(warned) - 1} more" if len(warned) > 1 else ""
+        print(
+            f"WARNED {len(warned)} kernel(s) ({first.task.spec.label} {first.task.arch}{more}): "
+            f"{one_line(first.messages)}",
+            file=sys.stderr,
+        )
     for cause, failed in causes.items():
         first = failed[0].task
         more = f" and {len(failed) - 1} more" if len(failed) > 1 else ""

@@ -89,6 +89,8 @@ class KernelBuilder:
                 log.info(
                     "compiled %s for %s in %.2f s", spec.label, arch, time.perf_counter() - start
                 )
+                if kernel.messages:  # a warning nobody reads is a slow kernel nobody sees
+                    log.warning("compiling %s for %s: %s", spec.label, arch, kernel.messages)
                 return kernel
 
             kernel, compiled = self.cache.get_or_build(arch, spec.family, key, meta, compile_now)

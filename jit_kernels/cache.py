@@ -210,6 +210,7 @@ class CubinCache:
             "size": len(kernel.cubin),
             "sha256": hashlib.sha256(kernel.cubin).hexdigest(),
             "compile_seconds": round(kernel.seconds, 4),
+            **({"compiler_messages": kernel.messages} if kernel.messages else {}),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         meta_path = cubin_path.with_suffix(".json")

@@ -31,6 +31,9 @@ class CompiledKernel:
     cubin: bytes
     entry: str  # the symbol to look up in the cubin
     seconds: float
+    # What the compiler said of a compile that succeeded (ptxas's performance warnings, a
+    # wgmma serialized, say): kept so a build can report it, empty when it said nothing.
+    messages: str = ""
 
 
 @functools.cache
@@ -107,12 +110,14 @@ def compile_cubin(rendered: RenderedSource, arch: str) -> CompiledKernel:
     start = time.perf_counter()
     if rendered.spec.compiler == "cute":
         cubin, entry = _compile_cute(rendered, arch)
+        messages = ""
     else:
-        cubin, entry = _compile_nvrtc(rendered, arch)
-    return CompiledKernel(cubin, entry, time.perf_counter() - start)
+        cubin, entry, messages = _compile_nvrtc(rendered, arch)
+    return CompiledKernel(cubin, entry, time.perf_counter() - start, messages)
 
 
-def _compile_nvrtc(rendered: RenderedSource, arch: str) -> tuple[bytes, str]:
+def _compile_nvrtc(rendered: RenderedSource, arch: str) -> tuple[bytes, str, str]:
+    """(cubin, lowered entry name, the compiler's log: empty unless it warned)."""
     from cuda.bindings import nvrtc
 
     names = [n.encode() for n, _ in rendered.headers]
@@ -138,7 +143,7 @@ def _compile_nvrtc(rendered: RenderedSource, arch: str) -> tuple[bytes, str]:
         (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         cubin = bytearray(size)
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return bytes(cubin), lowered.decode()
+        return bytes(cubin), lowered.decode(), log_text.strip()
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

@@ -34,6 +34,7 @@ class BuildResult:
     seconds: float
     error: str = ""
     cause: str = ""  # why it failed, without naming the kernel: summaries group by it
+    messages: str = ""  # what the compiler said of a compile that succeeded (a warning)
 
 
 def prebuild_cache(version: str, output: Path | None) -> CubinCache:
@@ -44,7 +45,7 @@ def prebuild_cache(version: str, output: Path | None) -> CubinCache:
     return CubinCache(default_cache_root(), prebuilt_roots(), version, require_store=True)
 
 
-def _one_line(text: str, limit: int = 400) -> str:
+def one_line(text: str, limit: int = 400) -> str:
     line = " | ".join(part.strip() for part in text.strip().splitlines() if part.strip())
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
@@ -53,13 +54,14 @@ def _run(task: BuildTask, template_root: Path, version: str, output: Path | None
     start = time.perf_counter()
     builder = KernelBuilder(template_root, version, prebuild_cache(version, output))
     try:
-        _, compiled = builder.build(task.spec, task.arch)
+        kernel, compiled = builder.build(task.spec, task.arch)
     except CacheWriteError as exc:  # compiled, but not stored: the same cause for every kernel
         return BuildResult(task, "failed", time.perf_counter() - start, str(exc), exc.cause)
     except Exception as exc:  # a failed kernel is reported, the others still build
         error = f"{type(exc).__name__}: {exc}"
-        return BuildResult(task, "failed", time.perf_counter() - start, error, _one_line(error))
-    return BuildResult(task, "compiled" if compiled else "cached", time.perf_counter() - start)
+        return BuildResult(task, "failed", time.perf_counter() - start, error, one_line(error))
+    status, seconds = "compiled" if compiled else "cached", time.perf_counter() - start
+    return BuildResult(task, status, seconds, messages=kernel.messages if compiled else "")
 
 
 def _watch_parent(parent: int) -> None:

@@ -285,3 +285,23 @@ def test_pool_workers_die_with_the_parent():
     for w in alive:
         os.kill(w, signal.SIGKILL)
     assert alive == []
+
+
+# -- a compile that succeeds with a warning is reported, stored and recorded ----------------
+def test_prebuild_reports_what_the_compiler_warned(capsys, jit_cache, tmp_path, monkeypatch):
+    warning = "ptxas info : (C7518) Potential Performance Loss: wgmma.mma_async serialized"
+
+    def warns_for_cake(rendered, arch: str) -> CompiledKernel:
+        said = warning if "cake" in rendered.spec.family else ""
+        return CompiledKernel(b"\x7fELF stand-in", "entry", 0.0, said)
+
+    monkeypatch.setattr(build, "compile_cubin", warns_for_cake)
+    out_dir = tmp_path / "bundle"
+    argv = ["prebuild", "--arch", "sm_90a", "-j", "1", "--output", str(out_dir)]
+    code, out, err = _run(capsys, *argv, "--workloads", _mla_workloads(tmp_path))
+    warned = [line for line in err.splitlines() if line.startswith("WARNED")]
+    assert code == 0 and "6 of 6 kernels stored" in out, err
+    assert len(warned) == 1 and "4 kernel(s)" in warned[0] and "C7518" in warned[0], err
+    records = [json.loads(p.read_text()) for p in out_dir.rglob("*.json") if "native" not in p.parts]
+    said = [r.get("compiler_messages", "") for r in records if "entry" in r]
+    assert sorted(said) == sorted([warning] * 4 + [""] * 2)

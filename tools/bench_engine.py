@@ -21,9 +21,11 @@ Prints one table last; --json writes every figure.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -51,8 +53,9 @@ ROUNDS = 30  # hot rows alternate this many times
 CHILD_TIMEOUT_S = 300
 
 
-def child(row: str) -> None:
-    """One row's first and second call in this (new) process: JSON on the last line."""
+def child(row: str, profile: str | None = None) -> None:
+    """One row's first and second call in this (new) process: JSON on the last line. With
+    ``profile`` (a file), the first call runs under cProfile and its top entries go there."""
     torch.zeros(1, device="cuda")
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -62,19 +65,26 @@ def child(row: str) -> None:
     call = ROWS[row].make("cuda")
     torch.cuda.synchronize()
     times = []
-    for _ in range(2):
+    for i in range(2):
+        profiler = cProfile.Profile() if profile and i == 0 else None
         start = time.perf_counter()
-        call()
+        if profiler is not None:
+            profiler.runcall(call)
+        else:
+            call()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
+        if profiler is not None:
+            with open(profile, "w") as f:
+                pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(40)
     print(json.dumps({"import_ms": import_ms, "first_ms": times[0], "second_ms": times[1]}))
 
 
-def run_child(row: str, cache: str) -> dict:
+def run_child(row: str, cache: str, profile: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "FLASHINFER_JIT_CUBIN_PATH"}
     env.update(FLASHINFER_JIT_CACHE_DIR=cache, FLASHINFER_JIT_STRICT="1")
     out = subprocess.run(
-        [sys.executable, __file__, "--child", row],
+        [sys.executable, __file__, "--child", row, *(["--profile", profile] if profile else [])],
         env=env,
         capture_output=True,
         text=True,
@@ -95,14 +105,16 @@ def compiled_kernels(cache: str) -> list[dict]:
     return records
 
 
-def first_calls(rows: tuple[str, ...]) -> list[dict]:
+def first_calls(rows: tuple[str, ...], profile: str | None = None) -> list[dict]:
+    """Cold, then warm first call per row; with ``profile`` (a folder) the warm call's
+    cProfile top entries land there, one file a row."""
     results = []
-    for row in rows:
+    for i, row in enumerate(rows):
         with tempfile.TemporaryDirectory(prefix="fij-bench-") as cache:
             try:
                 cold = run_child(row, cache)
                 kernels = compiled_kernels(cache)
-                warm = run_child(row, cache)
+                warm = run_child(row, cache, profile and f"{profile}/warm_first_call_{i}.txt")
             except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the other rows go on
                 print(f"{row}: FAILED {exc}", flush=True)
                 results.append({"row": row, "op": ROWS[row].op, "error": str(exc)})
@@ -203,17 +215,18 @@ def main() -> None:
     parser.add_argument("--json", metavar="FILE", help="write every figure here")
     parser.add_argument("--dry-run", action="store_true", help="list what it would measure")
     parser.add_argument("--commit", default=None, help="what the JSON records (default: git's)")
+    parser.add_argument("--profile", metavar="DIR", help="cProfile each warm first call into DIR")
     parser.add_argument("--child", metavar="ROW", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child)
+        child(args.child, args.profile)
         return
     if args.dry_run:
         dry_run()
         return
     if not torch.cuda.is_available():
         parser.error("no GPU: --dry-run lists what would be measured")
-    first = first_calls(FIRST_CALLS)
+    first = first_calls(FIRST_CALLS, args.profile)
     hot = hot_rows(args.calls)
     device = torch.cuda.get_device_name()
     print_table(first, hot, device)
