@@ -302,6 +302,8 @@ def test_prebuild_reports_what_the_compiler_warned(capsys, jit_cache, tmp_path, 
     warned = [line for line in err.splitlines() if line.startswith("WARNED")]
     assert code == 0 and "6 of 6 kernels stored" in out, err
     assert len(warned) == 1 and "4 kernel(s)" in warned[0] and "C7518" in warned[0], err
-    records = [json.loads(p.read_text()) for p in out_dir.rglob("*.json") if "native" not in p.parts]
+    records = [
+        json.loads(p.read_text()) for p in out_dir.rglob("*.json") if "native" not in p.parts
+    ]
     said = [r.get("compiler_messages", "") for r in records if "entry" in r]
     assert sorted(said) == sorted([warning] * 4 + [""] * 2)

@@ -253,8 +253,8 @@ constexpr int stage_bytes(int head_dim, bool bulk) { return bulk ? kBulkStageByt
 // not disturbed): [CLUSTER sources][inbox_items(CLUSTER)][8] unnormalized accumulators,
 // then [CLUSTER sources][16 heads] (max, sum) pairs.
 template <int HEAD_DIM, int CLUSTER>
-constexpr int inbox_items() {
-  return (16 * (HEAD_DIM / 8) + CLUSTER - 1) / CLUSTER;
+constexpr int inbox_items() {  // 0 for the single pass (CLUSTER 0), which has no inbox
+  return CLUSTER > 0 ? (16 * (HEAD_DIM / 8) + CLUSTER - 1) / (CLUSTER > 0 ? CLUSTER : 1) : 0;
 }
 template <int HEAD_DIM, int CLUSTER>
 constexpr int inbox_bytes() {
