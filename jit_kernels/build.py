@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .cache import CubinCache, default_cache_root, prebuilt_roots
 from .compile import CompiledKernel, compile_cubin, compiler_identity
-from .render import render
+from .render import RenderedSource, render
 from .spec import KernelSpec, sha256_hex
 
 log = logging.getLogger("flashinfer_jit.jit")
@@ -41,10 +41,10 @@ class KernelBuilder:
         return self._cache
 
     def cache_key(self, spec: KernelSpec, arch: str) -> str:
-        rendered = render(spec, self.template_root)
-        return sha256_hex(
-            *rendered.digest_parts(), compiler_identity(spec.compiler), arch, self.version
-        )
+        return self._key(render(spec, self.template_root), compiler_identity(spec.compiler), arch)
+
+    def _key(self, rendered: RenderedSource, identity: str, arch: str) -> str:
+        return sha256_hex(*rendered.digest_parts(), identity, arch, self.version)
 
     def lookup(self, spec: KernelSpec, arch: str) -> CompiledKernel | None:
         """The kernel for ``spec`` on ``arch`` from memory or disk; None where only a compile
@@ -68,31 +68,51 @@ class KernelBuilder:
             if memo in self._built:
                 return self._built[memo], False
             rendered = render(spec, self.template_root)
-            key = sha256_hex(
-                *rendered.digest_parts(), compiler_identity(spec.compiler), arch, self.version
-            )
-            meta = {
-                "key": key,
-                "family": spec.family,
-                "label": spec.label,
-                "arch": arch,
-                "compiler": compiler_identity(spec.compiler),
-                "version": self.version,
-            }
-
-            def compile_now() -> CompiledKernel:
-                if self.on_compile is not None:
-                    self.on_compile()
-                log.info("compiling %s for %s", spec.label, arch)
-                start = time.perf_counter()
-                kernel = compile_cubin(rendered, arch)
-                log.info(
-                    "compiled %s for %s in %.2f s", spec.label, arch, time.perf_counter() - start
-                )
-                if kernel.messages:  # a warning nobody reads is a slow kernel nobody sees
-                    log.warning("compiling %s for %s: %s", spec.label, arch, kernel.messages)
-                return kernel
-
-            kernel, compiled = self.cache.get_or_build(arch, spec.family, key, meta, compile_now)
+            try:
+                kernel, compiled = self._get_or_build(spec, arch, rendered, None)
+            except _OtherCompiler as exc:  # the wheel's metadata named another NVRTC
+                log.warning("%s; keying %s by the loaded one", exc, spec.label)
+                kernel, compiled = self._get_or_build(spec, arch, rendered, exc.identity)
             self._built[memo] = kernel
             return kernel, compiled
+
+    def _get_or_build(
+        self, spec: KernelSpec, arch: str, rendered: RenderedSource, identity: str | None
+    ) -> tuple[CompiledKernel, bool]:
+        """From disk, or compiled and stored, under the key of ``identity`` (default: the
+        installed compiler's, which a compile checks against the loaded one first)."""
+        checked = identity is not None
+        identity = identity or compiler_identity(spec.compiler)
+        key = self._key(rendered, identity, arch)
+        meta = {
+            "key": key,
+            "family": spec.family,
+            "label": spec.label,
+            "arch": arch,
+            "compiler": identity,
+            "version": self.version,
+        }
+
+        def compile_now() -> CompiledKernel:
+            loaded = identity if checked else compiler_identity(spec.compiler, loaded=True)
+            if loaded != identity:  # before any compile: the stored key must name its compiler
+                raise _OtherCompiler(identity, loaded)
+            if self.on_compile is not None:
+                self.on_compile()
+            log.info("compiling %s for %s", spec.label, arch)
+            start = time.perf_counter()
+            kernel = compile_cubin(rendered, arch)
+            log.info("compiled %s for %s in %.2f s", spec.label, arch, time.perf_counter() - start)
+            if kernel.messages:  # a warning nobody reads is a slow kernel nobody sees
+                log.warning("compiling %s for %s: %s", spec.label, arch, kernel.messages)
+            return kernel
+
+        return self.cache.get_or_build(arch, spec.family, key, meta, compile_now)
+
+
+class _OtherCompiler(Exception):
+    """The installed NVRTC wheel is not the library cuda-bindings loaded."""
+
+    def __init__(self, installed: str, loaded: str):
+        super().__init__(f"the installed NVRTC is {installed!r} but the loaded one {loaded!r}")
+        self.identity = loaded

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
 import importlib.util
 import tempfile
 import time
@@ -38,10 +39,33 @@ class CompiledKernel:
 
 @functools.cache
 def nvrtc_version() -> str:
+    """major.minor of the NVRTC library cuda-bindings loads. Asking the library costs its
+    load: importing cuda.pathfinder and NVRTC's dlopen, 121 of the 127 ms of a warm first
+    call on the H200 host (2026-12-02), so keys name ``installed_nvrtc_version`` instead."""
     from cuda.bindings import nvrtc
 
     _, major, minor = nvrtc.nvrtcVersion()
     return f"{major}.{minor}"
+
+
+# NVIDIA's NVRTC wheels, in the order cuda-bindings 13 loads their libraries (.so.13 first);
+# cuda.pathfinder loads a wheel's library before a system one.
+NVRTC_WHEELS = ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12")
+
+
+@functools.cache
+def installed_nvrtc_version() -> str | None:
+    """major.minor of the installed NVRTC wheel, from its metadata (under a millisecond, no
+    library loaded); None without one. A hint: the compile checks it against the library
+    (``KernelBuilder.build``), so a hint that names another NVRTC costs a load, never a
+    kernel keyed by the wrong compiler."""
+    for name in NVRTC_WHEELS:
+        try:
+            major, minor = importlib.metadata.version(name).split(".")[:2]
+        except (importlib.metadata.PackageNotFoundError, ValueError):
+            continue
+        return f"{major}.{minor}"
+    return None
 
 
 # The CuTe-DSL release the package pins (pyproject.toml). A machine without the DSL (a
@@ -81,11 +105,13 @@ def cute_dsl_refusal() -> str | None:
     return None
 
 
-def compiler_identity(compiler: str) -> str:
-    """What the cache key records of the toolchain."""
+def compiler_identity(compiler: str, loaded: bool = False) -> str:
+    """What the cache key records of the toolchain: the installed NVRTC wheel's version, or
+    with ``loaded`` (or no wheel) the loaded library's."""
     if compiler == "cute":  # only the pinned release compiles them (cute_dsl_refusal)
         return f"cutlass-dsl {CUTE_DSL_PINNED_VERSION}"
-    return f"nvrtc {nvrtc_version()} {' '.join(NVRTC_OPTIONS)}"
+    version = (None if loaded else installed_nvrtc_version()) or nvrtc_version()
+    return f"nvrtc {version} {' '.join(NVRTC_OPTIONS)}"
 
 
 def _check(result: tuple, what: str) -> tuple:

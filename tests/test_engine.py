@@ -69,8 +69,7 @@ def test_key_changes_with_every_input(tmp_path, monkeypatch):
     monkeypatch.setattr(compile_mod, "NVRTC_OPTIONS", (*compile_mod.NVRTC_OPTIONS, "-G"))
     keys["options"] = _builder(tmp_path).cache_key(SPEC, "sm_90a")
     monkeypatch.undo()
-    compile_mod.nvrtc_version.cache_clear()
-    monkeypatch.setattr(compile_mod, "nvrtc_version", lambda: "99.0")
+    monkeypatch.setattr(compile_mod, "installed_nvrtc_version", lambda: "99.0")
     keys["nvrtc"] = _builder(tmp_path).cache_key(SPEC, "sm_90a")
     for what, key in keys.items():
         assert key != base, f"the key ignores the {what}"
@@ -78,6 +77,36 @@ def test_key_changes_with_every_input(tmp_path, monkeypatch):
 
 
 # -- the disk cache ----------------------------------------------------------------------
+def test_a_warm_lookup_does_not_load_nvrtc(tmp_path, monkeypatch):
+    """The key names the installed wheel's NVRTC: finding a cached kernel loads no library
+    (the load was 121 of 127 ms of a warm first call on the H200 host)."""
+    assert compile_mod.installed_nvrtc_version() == compile_mod.nvrtc_version()
+    kernel, compiled = _builder(tmp_path).build(SPEC, "sm_90a")
+    assert compiled
+
+    def no_load() -> str:
+        raise AssertionError("a warm lookup loaded NVRTC")
+
+    monkeypatch.setattr(compile_mod, "nvrtc_version", no_load)
+    again, compiled = _builder(tmp_path).build(SPEC, "sm_90a")
+    assert not compiled and again.cubin == kernel.cubin
+    assert _builder(tmp_path).lookup(SPEC, "sm_90a").cubin == kernel.cubin
+
+
+def test_a_wheel_that_is_not_the_loaded_nvrtc_never_names_the_key(tmp_path, monkeypatch, caplog):
+    loaded = compile_mod.nvrtc_version()
+    monkeypatch.setattr(compile_mod, "installed_nvrtc_version", lambda: "98.7")
+    kernel, compiled = _builder(tmp_path).build(SPEC, "sm_90a")
+    assert compiled and "the installed NVRTC is" in caplog.text
+    (cubin,) = _cubin_files(tmp_path)
+    record = json.loads(cubin.with_suffix(".json").read_text())
+    assert record["compiler"].startswith(f"nvrtc {loaded} ") and "98.7" not in record["compiler"]
+    # A new process: the wheel's key misses, the loaded library's key finds it, no compile.
+    again, compiled = _builder(tmp_path).build(SPEC, "sm_90a")
+    assert not compiled and again.cubin == kernel.cubin
+    assert len(_cubin_files(tmp_path)) == 1
+
+
 def test_cold_then_disk_then_memory(tmp_path):
     builder = _builder(tmp_path)
     kernel, compiled = builder.build(SPEC, "sm_90a")

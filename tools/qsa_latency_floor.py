@@ -6,7 +6,8 @@ For every sweep point with rows x Hkv <= 128 (tools/qsa_bench_grid.py), per call
 graph, inputs cycled past 4x L2, the four timed in interleaved rounds:
 - "empty": a kernel that does nothing, one launch a call (what a graph's launch costs);
 - "chain": tools/kernels/qsa_chain_probe.cuh, the call's dependent loads and nothing else
-  (selection and request -> block table -> every selected K/V byte -> one store);
+  (selection and request -> block table -> every selected K/V byte -> one store), one
+  selected token a thread, all in flight at once: a lower bound on any call's time;
 - "ours": `qsa_sparse_paged_attention` (whole call, checked against the torch path first);
 - "triton": the seed's kernel (`qsa_dispatch_sweep.load_seed`), "-" when not importable.
 A call cannot beat "chain" (it makes those trips and more), so where triton / 4 is under
@@ -63,7 +64,7 @@ def chain_runner(sink: torch.Tensor):
         values = (indices.data_ptr(), indices.stride(0), indices.shape[1] - 1, t2r.data_ptr())
         values += (table_.data_ptr(), table_.stride(0), k.shape[1], k.data_ptr())
         values += (k.stride(0), k.stride(1), k.stride(2), v.data_ptr(), *v.stride()[:3])
-        grid_ = (q.shape[0], k.shape[2], 1)
+        grid_ = (q.shape[0], k.shape[2], -(-(indices.shape[1] - 1) // 256))
         kernel = _chain.get((q.shape[2],), device)
         kernel.launch(grid_, (256, 1, 1), current_stream(device), (*values, sink.data_ptr()))
 
@@ -87,7 +88,9 @@ def measure(point, seed_fn) -> dict:
     expect = reference_of(sets[0])
     ours = lambda a: qsa.qsa_sparse_paged_attention(*a)  # noqa: E731
     check(ours, sets[0], expect)
-    sink = torch.empty(point.rows * point.hkv, dtype=torch.int32, device="cuda")
+    sink = torch.empty(
+        point.rows * point.hkv * -(-point.topk // 256), dtype=torch.int32, device="cuda"
+    )
     runs = {"empty": empty_runner(sink), "chain": chain_runner(sink), "ours": ours}
     if seed_fn is not None:
         try:

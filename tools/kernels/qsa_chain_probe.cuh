@@ -4,8 +4,10 @@
 // trips to memory plus a launch. This kernel makes exactly those trips for the call's
 // selected tokens (every K and V row byte, 16-byte loads all in flight at once) and folds
 // what it read into one word per (row, kv head). tools/qsa_latency_floor.py times it per call
-// in a graph as the latency floor of a small call. grid = (rows, kv heads), block =
-// kChainThreads; one token a thread per pass. Benchmark only, never shipped.
+// in a graph as the latency floor of a call. grid = (rows, kv heads, token slices of
+// kChainThreads), one selected token a thread: every trip of every token in flight at once,
+// and no reduction across slices (a decode needs one), so no call can be faster. Benchmark
+// only, never shipped.
 #pragma once
 
 namespace fij_qsa {
@@ -28,9 +30,10 @@ qsa_chain_probe(const int* __restrict__ indices, long long index_stride, int top
   const int count = min(max(__ldg(sel + topk), 0), topk);  // trip 1 (with the indices below)
   const int req = __ldg(token_to_req + row);
   unsigned acc = 0;
-  for (int t = threadIdx.x; t < count; t += kChainThreads) {
-    const int idx = __ldg(sel + t);
-    if (idx < 0) continue;
+  const int t = blockIdx.z * kChainThreads + threadIdx.x;
+  const int raw = t < topk ? __ldg(sel + t) : -1;  // in flight beside count, not after it
+  const int idx = t < count ? raw : -1;
+  if (idx >= 0) {
     const long long page = __ldg(block_table + (long long)req * bt_stride + idx / page_size);  // trip 2
     const long long slot = idx % page_size;
     const uint4* k = reinterpret_cast<const uint4*>(k_cache + page * k_block + slot * k_token + head * k_head);
@@ -46,7 +49,7 @@ qsa_chain_probe(const int* __restrict__ indices, long long index_stride, int top
   }
   atomicXor(&folded, acc);
   __syncthreads();
-  if (threadIdx.x == 0) sink[(long long)row * gridDim.y + head] = folded;
+  if (threadIdx.x == 0) sink[((long long)row * gridDim.y + head) * gridDim.z + blockIdx.z] = folded;
 }
 
 }  // namespace fij_qsa
