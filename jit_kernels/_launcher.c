@@ -5,6 +5,7 @@
  *   launch_programmatic(<the same>) -> CUresult (int)
  *   Bound(function, gx, gy, gz, bx, by, bz, smem, programmatic, codes, offsets,
  *         param_offsets, template, on_error)(stream, values) -> None
+ *   load_library, load_module, set/get_attribute, blocks_per_sm, clusters: _launcher_driver.h
  *
  * function: a CUfunction handle as an int; stream: a raw CUstream (torch's cudaStream_t)
  * as an int; params: the address of the kernel's void* argument array (ArgPacker.pack).
@@ -184,6 +185,7 @@ static PyObject *launch_programmatic(PyObject *module, PyObject *const *args,
 }
 
 #include "_launcher_bound.h" /* Bound */
+#include "_launcher_driver.h" /* load_library, occupancy, attributes */
 
 /* The declared types' layout, for the test against cuda.h. */
 static PyObject *layout(PyObject *module, PyObject *unused) {
@@ -207,6 +209,7 @@ static PyMethodDef methods[] = {
     {"use_null_driver", use_null_driver, METH_NOARGS,
      "later launches succeed without calling the driver (host-time stubs)"},
     {"layout", layout, METH_NOARGS, "the declared driver types' sizes and offsets"},
+    DRIVER_METHODS
     {NULL, NULL, 0, NULL},
 };
 

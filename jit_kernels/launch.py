@@ -22,8 +22,10 @@ from typing import NoReturn
 
 import torch
 
+from . import driver as cu
 from . import native
 from .compile import CompiledKernel, nvrtc_version
+from .driver import LaunchError, _check, _error_name  # noqa: F401 (their home before driver.py)
 
 _ALIGN = {
     "b": 1,
@@ -65,28 +67,6 @@ def merge(template: Sequence, values: Sequence) -> tuple:
     for i, value in zip(calls, values, strict=True):
         merged[i] = value
     return tuple(merged)
-
-
-class LaunchError(RuntimeError):
-    pass
-
-
-def _error_name(err) -> str:
-    """A driver error (an int from the native launcher, a CUresult from cuda-python) as
-    cuda-python spells it."""
-    try:
-        from cuda.bindings import driver
-
-        return repr(driver.CUresult(int(err)))
-    except (ImportError, ValueError):
-        return f"CUresult {int(err)}"
-
-
-def _check(result: tuple, what: str):
-    err = result[0]
-    if int(err) != 0:
-        raise LaunchError(f"{what} failed: {err!r}")
-    return result[1] if len(result) == 2 else result[1:]
 
 
 class ArgPacker:
@@ -179,77 +159,59 @@ class LoadedKernel:
     )
 
     def __init__(self, compiled: CompiledKernel, device: int, packer: ArgPacker, name: str):
-        from cuda.bindings import driver
-
         self.name, self.device, self.packer = name, device, packer
         with torch.cuda.device(device):
             torch.cuda.init()
             torch.cuda.current_stream(device)  # makes the primary context current here
-            self._library = _check(
-                driver.cuLibraryLoadData(compiled.cubin, [], [], 0, [], [], 0), "cuLibraryLoadData"
-            )
-            kernel = _check(
-                driver.cuLibraryGetKernel(self._library, compiled.entry.encode()),
-                f"cuLibraryGetKernel({compiled.entry})",
-            )
-            function = _check(driver.cuKernelGetFunction(kernel), "cuKernelGetFunction")
+            self._library, function = cu.load_kernel(compiled.cubin, compiled.entry, name)
         self._bind(function, native.launcher())
 
-    def _bind(self, function, launcher) -> None:
-        """Launch ``function`` (a CUfunction) through ``launcher`` (the compiled launcher
-        module, jit_kernels.native) or, where it is None, through cuda-python."""
-        from cuda.bindings import driver
-
-        self.function, self._handle = function, 0 if function is None else int(function)
+    def _bind(self, function: int | None, launcher) -> None:
+        """Launch ``function`` (a CUfunction handle) through ``launcher`` (the compiled
+        launcher module, jit_kernels.native) or, where it is None, through cuda-python."""
+        self.function = self._handle = 0 if function is None else int(function)
         self._launcher = launcher
         self._native = None if launcher is None else launcher.launch
         self._native_pdl = None if launcher is None else launcher.launch_programmatic
         self._smem_limit = 48 * 1024
-        self._launch, self._launch_ex = driver.cuLaunchKernel, driver.cuLaunchKernelEx
+        # cuda-python's launches, imported at the first launch without the launcher.
+        self._launch = self._launch_ex = None
         # (grid, block, smem, stream) -> CUlaunchConfig of launch_programmatic through
         # cuda-python: built once, never changed after (threads may share them); at most
         # _PDL_CONFIGS kept. The native launcher builds its config per call, in C.
         self._pdl_configs: dict[tuple, object] = {}
 
-    def _allow_smem(self, nbytes: int) -> None:
+    def _cuda_python(self) -> None:
         from cuda.bindings import driver
 
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _check(
-            driver.cuFuncSetAttribute(self.function, attr, nbytes), f"{self.name}: smem {nbytes}"
-        )
+        self._launch, self._launch_ex = driver.cuLaunchKernel, driver.cuLaunchKernelEx
+
+    def _allow_smem(self, nbytes: int) -> None:
+        what = f"{self.name}: smem {nbytes}"
+        cu.set_attribute(self._handle, cu.MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes, what)
         self._smem_limit = nbytes
 
     def blocks_per_sm(self, threads: int, smem: int = 0) -> int:
         """How many blocks of ``threads`` with ``smem`` dynamic bytes fit one SM (0: the
         launch would fail, e.g. registers x threads exceed the register file)."""
-        from cuda.bindings import driver
-
         if smem > self._smem_limit:
             self._allow_smem(smem)
-        return int(
-            _check(
-                driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, threads, smem),
-                f"{self.name}: occupancy",
-            )
-        )
+        return cu.blocks_per_sm(self._handle, threads, smem, f"{self.name}: occupancy")
 
     def global_buffer(self, name: str) -> tuple[int, int]:
         """(device address, bytes) of the module's ``__device__`` variable ``name`` (how a
         tool reads the buffer an instrumented kernel writes)."""
         from cuda.bindings import driver
 
+        library = driver.CUlibrary(self._library)
         ptr, size = _check(
-            driver.cuLibraryGetGlobal(self._library, name.encode()), f"{self.name}: {name}"
+            driver.cuLibraryGetGlobal(library, name.encode()), f"{self.name}: {name}"
         )
         return int(ptr), int(size)
 
     def num_regs(self) -> int:
         """Registers per thread of the compiled kernel."""
-        from cuda.bindings import driver
-
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS
-        return int(_check(driver.cuFuncGetAttribute(attr, self.function), f"{self.name}: regs"))
+        return cu.get_attribute(self._handle, cu.NUM_REGS, f"{self.name}: regs")
 
     def launch(
         self,
@@ -267,7 +229,9 @@ class LoadedKernel:
         if launch is not None:
             err = launch(self._handle, *grid, *block, smem, stream, params)
         else:
-            err = self._launch(self.function, *grid, *block, smem, stream, params, 0)[0]
+            if self._launch is None:
+                self._cuda_python()
+            err = self._launch(self._handle, *grid, *block, smem, stream, params, 0)[0]
         if err:
             self._failed(False, err)
 
@@ -291,7 +255,9 @@ class LoadedKernel:
             config = self._pdl_configs.get((grid, block, smem, stream))
             if config is None:
                 config = self._pdl_config(grid, block, smem, stream)
-            (err,) = self._launch_ex(config, self.function, self.packer.pack(args), 0)
+            if self._launch_ex is None:
+                self._cuda_python()
+            (err,) = self._launch_ex(config, self._handle, self.packer.pack(args), 0)
         if err:
             self._failed(True, err)
 

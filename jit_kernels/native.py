@@ -44,7 +44,10 @@ log = logging.getLogger("flashinfer_jit.jit")
 
 NATIVE_ENV = "FLASHINFER_JIT_NATIVE_LAUNCH"
 SOURCE = Path(__file__).with_name("_launcher.c")
-HEADERS = (SOURCE.with_name("_launcher_bound.h"),)  # included by SOURCE: in the key too
+HEADERS = (
+    SOURCE.with_name("_launcher_bound.h"),
+    SOURCE.with_name("_launcher_driver.h"),
+)  # in the key
 FLAGS = ("-O2", "-shared", "-fPIC")
 LIBS = ("-ldl",)  # dlopen: in libc since glibc 2.34, in libdl before
 BUILD_TIMEOUT_S = 120.0

@@ -14,8 +14,8 @@ import threading
 
 import torch
 
+from . import driver as cu
 from .arch import capability
-from .launch import _check
 
 # An empty kernel: only its launch shape matters to the occupancy query. sm_90 is the first
 # target with clusters; the driver compiles the PTX for the device it runs on.
@@ -30,16 +30,11 @@ _query_lock = threading.Lock()
 
 
 @functools.cache
-def _probe_function(device: int):
-    from cuda.bindings import driver
-
+def _probe_function(device: int) -> int:
     with torch.cuda.device(device):
         torch.cuda.init()
         torch.cuda.current_stream(device)  # makes the primary context current here
-        module = _check(driver.cuModuleLoadData(_PROBE_PTX), "cuModuleLoadData(cluster probe)")
-        return _check(
-            driver.cuModuleGetFunction(module, b"fij_cluster_probe"), "cuModuleGetFunction"
-        )
+        return cu.load_module(_PROBE_PTX, "fij_cluster_probe", "loading the cluster probe")
 
 
 @functools.cache
@@ -49,27 +44,8 @@ def max_active_clusters(device: int, cluster_size: int, threads: int, smem_bytes
     clusters)."""
     if capability(device) < (9, 0):
         return 0
-    from cuda.bindings import driver
-
     function = _probe_function(device)
-    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    what = f"cluster occupancy ({cluster_size} x {threads} threads, {smem_bytes} B)"
     with _query_lock, torch.cuda.device(device):
-        _check(driver.cuFuncSetAttribute(function, attribute, smem_bytes), "cuFuncSetAttribute")
-        config = driver.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = cluster_size, 1, 1
-        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
-        config.sharedMemBytes = smem_bytes
-        dims = driver.CUlaunchAttribute()
-        dims.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        dims.value.clusterDim.x, dims.value.clusterDim.y, dims.value.clusterDim.z = (
-            cluster_size,
-            1,
-            1,
-        )
-        config.attrs, config.numAttrs = [dims], 1
-        return int(
-            _check(
-                driver.cuOccupancyMaxActiveClusters(function, config),
-                "cuOccupancyMaxActiveClusters",
-            )
-        )
+        cu.set_attribute(function, cu.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes, what)
+        return cu.max_active_clusters(function, cluster_size, threads, smem_bytes, what)

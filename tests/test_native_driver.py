@@ -1,0 +1,126 @@
+"""jit_kernels.driver through the compiled launcher (_launcher_driver.h): against a stand-in
+libcuda every call reaches the driver with the caller's values and returns what the driver
+gave, a driver error raises LaunchError naming the call, and the attribute numbers are
+cuda-python's. (A first call loads its kernels this way without importing cuda-python's
+driver module; the H200 runs the real driver through the GPU tests.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jit_kernels import driver as cu
+from jit_kernels import native
+
+REPO = Path(__file__).resolve().parent.parent
+needs_cc = pytest.mark.skipif(
+    not shutil.which(native.compiler()[0]), reason="no C compiler on this machine"
+)
+
+FAKE_DRIVER = """
+#include <string.h>
+int result;                /* what every call returns */
+char seen_name[64];        /* the last entry name asked for */
+unsigned char seen_image[8];
+int seen_attr[3];          /* function (low bits), attribute, value of cuFuncSetAttribute */
+unsigned seen_config[8];   /* grid x, block x, smem, attribute id, cluster x, y, z, numAttrs */
+static void image(const void *p) { memcpy(seen_image, p, 8); }
+int cuLibraryLoadData(void **lib, const void *code, void *o, void **v, unsigned n, void *lo,
+                      void **lv, unsigned ln) { image(code); *lib = (void *)0xA1; return result; }
+int cuLibraryGetKernel(void **k, void *lib, const char *name) {
+  strncpy(seen_name, name, 63); *k = (char *)lib + 1; return 0; }
+int cuKernelGetFunction(void **f, void *k) { *f = (char *)k + 1; return 0; }
+int cuModuleLoadData(void **m, const void *image_) { image(image_); *m = (void *)0xB1; return result; }
+int cuModuleGetFunction(void **f, void *m, const char *name) {
+  strncpy(seen_name, name, 63); *f = (char *)m + 1; return 0; }
+int cuFuncSetAttribute(void *f, int attr, int value) {
+  seen_attr[0] = (int)(long)f; seen_attr[1] = attr; seen_attr[2] = value; return result; }
+int cuFuncGetAttribute(int *value, int attr, void *f) { *value = attr * 100 + (int)(long)f; return result; }
+int cuOccupancyMaxActiveBlocksPerMultiprocessor(int *n, void *f, int threads, unsigned long smem) {
+  *n = threads + (int)smem; return result; }
+int cuOccupancyMaxActiveClusters(int *n, void *f, const void *config) {
+  const unsigned *dims = (const unsigned *)config;
+  const char *attrs = *(char *const *)((const char *)config + 40);
+  const unsigned *cluster = (const unsigned *)(attrs + 8);
+  unsigned v[8] = {dims[0], dims[3], dims[6], *(const unsigned *)attrs, cluster[0], cluster[1],
+                   cluster[2], *(const unsigned *)((const char *)config + 48)};
+  memcpy(seen_config, v, sizeof v);
+  *n = 15; return result; }
+"""
+
+DRIVE = """
+import ctypes, json, sys
+fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # dlopen("libcuda.so.1") finds it
+from jit_kernels import driver as cu, native
+assert native.launcher() is not None
+seen = {"load_kernel": cu.load_kernel(b"CUBINxyz", "entry_a", "k")}
+seen["library image"] = bytes((ctypes.c_ubyte * 8).in_dll(fake, "seen_image")).decode()
+name = lambda: (ctypes.c_char * 64).in_dll(fake, "seen_name").value.decode()
+seen["library name"] = name()
+seen["load_module"] = cu.load_module(b".version 7.8\\x00", "probe", "p")
+seen["module name"] = name()
+cu.set_attribute(0x42, cu.MAX_DYNAMIC_SHARED_SIZE_BYTES, 200000, "s")
+seen["set"] = list((ctypes.c_int * 3).in_dll(fake, "seen_attr"))
+seen["get"] = cu.get_attribute(0x42, cu.NUM_REGS, "g")
+seen["blocks"] = cu.blocks_per_sm(0x42, 256, 1000, "b")
+seen["clusters"] = cu.max_active_clusters(0x42, 8, 128, 70000, "c")
+seen["config"] = list((ctypes.c_uint * 8).in_dll(fake, "seen_config"))
+ctypes.c_int.in_dll(fake, "result").value = 200  # CUDA_ERROR_INVALID_IMAGE
+errors = []
+for call in (lambda: cu.load_kernel(b"CUBINxyz", "entry_a", "loading k"),
+             lambda: cu.set_attribute(0x42, 8, 1, "smem of k"),
+             lambda: cu.max_active_clusters(0x42, 8, 128, 0, "clusters of k")):
+    try:
+        call()
+    except cu.LaunchError as exc:
+        errors.append(str(exc))
+seen["errors"] = errors
+print(json.dumps(seen))
+"""
+
+
+@needs_cc
+def test_driver_calls_reach_the_driver_and_errors_raise(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
+    monkeypatch.delenv("FLASHINFER_JIT_CUBIN_PATH", raising=False)
+    source, fake = tmp_path / "fake_cuda.c", tmp_path / "libcuda.so.1"
+    source.write_text(FAKE_DRIVER)
+    subprocess.run(
+        [*native.compiler(), "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", str(source), "-o", str(fake)],
+        check=True,
+    )  # fmt: skip
+    native.build(tmp_path / "cache")
+    run = subprocess.run(
+        [sys.executable, "-c", DRIVE, str(fake)], capture_output=True, text=True, cwd=REPO
+    )
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(run.stdout)
+    assert seen["load_kernel"] == [0xA1, 0xA3] and seen["library image"] == "CUBINxyz"
+    assert seen["library name"] == "entry_a"
+    assert seen["load_module"] == 0xB2 and seen["module name"] == "probe"
+    assert seen["set"] == [0x42, 8, 200000]
+    assert seen["get"] == 4 * 100 + 0x42 and seen["blocks"] == 256 + 1000
+    # one cluster of 8 CTAs of 128 threads, 70000 B each; the cluster-dimension attribute
+    assert seen["clusters"] == 15 and seen["config"] == [8, 128, 70000, 4, 8, 1, 1, 1]
+    assert len(seen["errors"]) == 3
+    for error, what in zip(
+        seen["errors"], ("loading k", "smem of k", "clusters of k"), strict=True
+    ):
+        assert error.startswith(f"{what} failed") and "200" in error
+
+
+def test_attribute_numbers_are_cuda_pythons():
+    driver = pytest.importorskip("cuda.bindings.driver")
+    attribute = driver.CUfunction_attribute
+    assert cu.NUM_REGS == int(attribute.CU_FUNC_ATTRIBUTE_NUM_REGS)
+    assert cu.MAX_DYNAMIC_SHARED_SIZE_BYTES == int(
+        attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    )
+    cluster = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    assert int(cluster) == 4  # _launcher_driver.h's CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
