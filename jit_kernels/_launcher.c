@@ -77,12 +77,20 @@ typedef CUresult (*LaunchKernelEx)(const CUlaunchConfig *, CUfunction, void **, 
 static LaunchKernelEx cu_launch_ex;
 static LaunchKernel cu_launch;
 
-static int open_driver(void) {
+/* The driver library, or NULL with a RuntimeError set. */
+static void *libcuda(void) {
   void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (lib == NULL) {
     const char *why = dlerror();
     PyErr_Format(PyExc_RuntimeError, "the CUDA driver (libcuda.so.1) cannot be loaded: %s",
                  why ? why : "unknown error");
+  }
+  return lib;
+}
+
+static int open_driver(void) {
+  void *lib = libcuda();
+  if (lib == NULL) {
     return -1;
   }
   LaunchKernel launch = (LaunchKernel)dlsym(lib, "cuLaunchKernel");

@@ -10,7 +10,7 @@
  *   blocks_per_sm(function, threads, smem) -> (err, n)       cuOccupancyMaxActiveBlocksPerMultiprocessor
  *   clusters(function, cluster, threads, smem) -> (err, n)   cuOccupancyMaxActiveClusters
  *
- * The symbols are resolved on first use (dlopen libcuda.so.1, as open_driver), so the module
+ * The symbols are resolved on first use (libcuda(), as open_driver does), so the module
  * still imports without a driver; a call there raises RuntimeError.
  */
 typedef struct CUlib_st *CUlibrary;
@@ -47,11 +47,8 @@ static int open_loader(void) {
   if (cu.clusters != NULL) {
     return 0;
   }
-  void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  void *lib = libcuda();
   if (lib == NULL) {
-    const char *why = dlerror();
-    PyErr_Format(PyExc_RuntimeError, "the CUDA driver (libcuda.so.1) cannot be loaded: %s",
-                 why ? why : "unknown error");
     return -1;
   }
   /* cuLibrary* are CUDA 12.0's; the others older. */
