@@ -9,6 +9,8 @@
  *   get_attribute(function, attribute) -> (err, value)       cuFuncGetAttribute
  *   blocks_per_sm(function, threads, smem) -> (err, n)       cuOccupancyMaxActiveBlocksPerMultiprocessor
  *   clusters(function, cluster, threads, smem) -> (err, n)   cuOccupancyMaxActiveClusters
+ *   encode_tiled(dtype, address, dims, strides, box, element_strides, interleave, swizzle,
+ *                promotion, oob_fill) -> (err, 128 bytes)  cuTensorMapEncodeTiled (rank: len(dims))
  *
  * The symbols are resolved on first use (libcuda(), as open_driver does), so the module
  * still imports without a driver; a call there raises RuntimeError.
@@ -30,6 +32,13 @@ typedef CUresult (*FuncSetAttribute)(CUfunction, int, int);
 typedef CUresult (*FuncGetAttribute)(int *, int, CUfunction);
 typedef CUresult (*OccupancyBlocks)(int *, CUfunction, int, size_t);
 typedef CUresult (*OccupancyClusters)(int *, CUfunction, const CUlaunchConfig *);
+/* cuda.h: CUtensorMap is 128 bytes, 64-byte aligned; the enums are ints. */
+typedef struct {
+  _Alignas(64) unsigned long long opaque[16];
+} CUtensorMap;
+typedef CUresult (*EncodeTiled)(CUtensorMap *, int, unsigned int, void *, const unsigned long long *,
+                                const unsigned long long *, const unsigned int *, const unsigned int *,
+                                int, int, int, int);
 
 static struct {
   LibraryLoadData library_load;
@@ -40,6 +49,7 @@ static struct {
   FuncSetAttribute set_attribute;
   FuncGetAttribute get_attribute;
   OccupancyBlocks blocks;
+  EncodeTiled encode_tiled;
   OccupancyClusters clusters; /* set last, under the GIL: the mark that all are set */
 } cu;
 
@@ -51,28 +61,30 @@ static int open_loader(void) {
   if (lib == NULL) {
     return -1;
   }
-  /* cuLibrary* are CUDA 12.0's; the others older. */
-  void *found[9] = {dlsym(lib, "cuLibraryLoadData"), dlsym(lib, "cuLibraryGetKernel"),
+  /* cuLibrary* and cuTensorMapEncodeTiled are CUDA 12.0's; the others older. */
+  void *found[10] = {dlsym(lib, "cuTensorMapEncodeTiled"), dlsym(lib, "cuLibraryLoadData"),
+                     dlsym(lib, "cuLibraryGetKernel"),
                     dlsym(lib, "cuKernelGetFunction"), dlsym(lib, "cuModuleLoadData"),
                     dlsym(lib, "cuModuleGetFunction"), dlsym(lib, "cuFuncSetAttribute"),
                     dlsym(lib, "cuFuncGetAttribute"),
                     dlsym(lib, "cuOccupancyMaxActiveBlocksPerMultiprocessor"),
                     dlsym(lib, "cuOccupancyMaxActiveClusters")};
-  for (int i = 0; i < 9; ++i) {
+  for (int i = 0; i < 10; ++i) {
     if (found[i] == NULL) {
       PyErr_SetString(PyExc_RuntimeError, "libcuda.so.1 lacks the CUDA 12 library API");
       return -1;
     }
   }
-  cu.library_load = (LibraryLoadData)found[0];
-  cu.library_kernel = (LibraryGetKernel)found[1];
-  cu.kernel_function = (KernelGetFunction)found[2];
-  cu.module_load = (ModuleLoadData)found[3];
-  cu.module_function = (ModuleGetFunction)found[4];
-  cu.set_attribute = (FuncSetAttribute)found[5];
-  cu.get_attribute = (FuncGetAttribute)found[6];
-  cu.blocks = (OccupancyBlocks)found[7];
-  cu.clusters = (OccupancyClusters)found[8];
+  cu.encode_tiled = (EncodeTiled)found[0];
+  cu.library_load = (LibraryLoadData)found[1];
+  cu.library_kernel = (LibraryGetKernel)found[2];
+  cu.kernel_function = (KernelGetFunction)found[3];
+  cu.module_load = (ModuleLoadData)found[4];
+  cu.module_function = (ModuleGetFunction)found[5];
+  cu.set_attribute = (FuncSetAttribute)found[6];
+  cu.get_attribute = (FuncGetAttribute)found[7];
+  cu.blocks = (OccupancyBlocks)found[8];
+  cu.clusters = (OccupancyClusters)found[9];
   return 0;
 }
 
@@ -187,6 +199,63 @@ static PyObject *clusters(PyObject *module, PyObject *args) {
   return Py_BuildValue("(ii)", err, n);
 }
 
+/* A tuple of ints into out[0..n), each at most max; -1 with an error set otherwise. */
+static int int_tuple(PyObject *tuple, unsigned long long *out, Py_ssize_t n, unsigned long long max,
+                     const char *what) {
+  if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) != n) {
+    PyErr_Format(PyExc_ValueError, "%s: a tuple of %zd ints", what, n);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(tuple, i));
+    if (PyErr_Occurred()) {
+      return -1;
+    }
+    if (v > max) {
+      PyErr_Format(PyExc_OverflowError, "%s[%zd] = %llu exceeds %llu", what, i, v, max);
+      return -1;
+    }
+    out[i] = v;
+  }
+  return 0;
+}
+
+static PyObject *encode_tiled(PyObject *module, PyObject *args) {
+  int dtype, interleave, swizzle, promotion, oob;
+  PyObject *address, *dims, *strides, *box, *element_strides;
+  if (!PyArg_ParseTuple(args, "iOO!O!O!O!iiii", &dtype, &address, &PyTuple_Type, &dims, &PyTuple_Type,
+                        &strides, &PyTuple_Type, &box, &PyTuple_Type, &element_strides, &interleave,
+                        &swizzle, &promotion, &oob) ||
+      open_loader() < 0) {
+    return NULL;
+  }
+  Py_ssize_t rank = PyTuple_GET_SIZE(dims);
+  if (rank < 1 || rank > 5) {
+    return PyErr_Format(PyExc_ValueError, "a tensor map has rank 1 to 5, got %zd", rank);
+  }
+  unsigned long long dim[5], stride[4], box64[5], estride64[5];
+  unsigned int box32[5], estride32[5];
+  if (int_tuple(dims, dim, rank, ULLONG_MAX, "dims") < 0 ||
+      int_tuple(strides, stride, rank - 1, ULLONG_MAX, "strides") < 0 ||
+      int_tuple(box, box64, rank, UINT_MAX, "box") < 0 ||
+      int_tuple(element_strides, estride64, rank, UINT_MAX, "element_strides") < 0) {
+    return NULL;
+  }
+  for (Py_ssize_t i = 0; i < rank; ++i) {
+    box32[i] = (unsigned int)box64[i];
+    estride32[i] = (unsigned int)estride64[i];
+  }
+  void *base = PyLong_AsVoidPtr(address);
+  if (PyErr_Occurred()) {
+    return NULL;
+  }
+  CUtensorMap map;
+  memset(&map, 0, sizeof map);
+  CUresult err = cu.encode_tiled(&map, dtype, (unsigned int)rank, base, dim, stride, box32, estride32,
+                                 interleave, swizzle, promotion, oob);
+  return Py_BuildValue("(iy#)", err, (const char *)map.opaque, (Py_ssize_t)sizeof map.opaque);
+}
+
 #define DRIVER_METHODS                                                                          \
   {"load_library", load_library, METH_VARARGS,                                                \
    "load_library(cubin, entry) -> (CUresult, library, function)"},                           \
@@ -199,4 +268,7 @@ static PyObject *clusters(PyObject *module, PyObject *args) {
       {"blocks_per_sm", blocks_per_sm, METH_VARARGS,                                          \
        "blocks_per_sm(function, threads, smem) -> (CUresult, blocks)"},                       \
       {"clusters", clusters, METH_VARARGS,                                                    \
-       "clusters(function, cluster, threads, smem) -> (CUresult, resident clusters)"},
+       "clusters(function, cluster, threads, smem) -> (CUresult, resident clusters)"},        \
+      {"encode_tiled", encode_tiled, METH_VARARGS,                                            \
+       "encode_tiled(dtype, address, dims, strides, box, element_strides, interleave, "       \
+       "swizzle, promotion, oob_fill) -> (CUresult, 128-byte CUtensorMap)"},

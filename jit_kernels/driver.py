@@ -121,3 +121,49 @@ def max_active_clusters(function: int, cluster: int, threads: int, smem: int, wh
     dims.value.clusterDim.x, dims.value.clusterDim.y, dims.value.clusterDim.z = cluster, 1, 1
     config.attrs, config.numAttrs = [dims], 1
     return int(_check(driver.cuOccupancyMaxActiveClusters(function, config), what))
+
+
+# cuda.h's CUtensorMap enums (tests/test_native_driver.py checks them against cuda-python's).
+TENSOR_MAP_UINT8 = 0
+INTERLEAVE_NONE = 0
+SWIZZLE_BYTES = {32: 1, 64: 2, 128: 3}  # CU_TENSOR_MAP_SWIZZLE_32B / 64B / 128B
+L2_PROMOTION_BYTES = {64: 1, 128: 2, 256: 3}  # CU_TENSOR_MAP_L2_PROMOTION_L2_<n>B
+OOB_FILL_NONE = 0
+
+
+def encode_tiled(
+    dtype: int,
+    address: int,
+    dims: tuple[int, ...],
+    strides: tuple[int, ...],
+    box: tuple[int, ...],
+    element_strides: tuple[int, ...],
+    swizzle: int,
+    promotion: int,
+    what: str,
+) -> bytes:
+    """The 128 bytes of a tiled CUtensorMap (cuTensorMapEncodeTiled; no interleave, no
+    out-of-bounds fill): ``dims`` innermost first, ``strides`` in bytes for the outer
+    dimensions, ``swizzle`` / ``promotion`` as cuda.h numbers them."""
+    launcher = native.launcher()
+    if launcher is not None:
+        args = (dtype, address, dims, strides, box, element_strides, INTERLEAVE_NONE)
+        return _native_result(launcher.encode_tiled(*args, swizzle, promotion, OOB_FILL_NONE), what)
+    from cuda.bindings import driver
+
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    err, tmap = driver.cuTensorMapEncodeTiled(
+        driver.CUtensorMapDataType(dtype),
+        len(dims),
+        address,
+        [u64(d) for d in dims],
+        [u64(s) for s in strides],
+        [u32(b) for b in box],
+        [u32(e) for e in element_strides],
+        driver.CUtensorMapInterleave(INTERLEAVE_NONE),
+        driver.CUtensorMapSwizzle(swizzle),
+        driver.CUtensorMapL2promotion(promotion),
+        driver.CUtensorMapFloatOOBfill(OOB_FILL_NONE),
+    )
+    _check((err, None), what)
+    return b"".join(int(word).to_bytes(8, "little") for word in tmap.opaque)

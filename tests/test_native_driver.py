@@ -43,6 +43,16 @@ int cuFuncSetAttribute(void *f, int attr, int value) {
 int cuFuncGetAttribute(int *value, int attr, void *f) { *value = attr * 100 + (int)(long)f; return result; }
 int cuOccupancyMaxActiveBlocksPerMultiprocessor(int *n, void *f, int threads, unsigned long smem) {
   *n = threads + (int)smem; return result; }
+int cuTensorMapEncodeTiled(unsigned long long *map, int dtype, unsigned rank, void *address,
+                           const unsigned long long *dims, const unsigned long long *strides,
+                           const unsigned *box, const unsigned *estrides, int interleave,
+                           int swizzle, int promotion, int oob) {
+  map[0] = dtype | rank << 8 | interleave << 16 | swizzle << 24 | (unsigned long long)promotion << 32 |
+           (unsigned long long)oob << 40;
+  map[1] = (unsigned long long)address;
+  for (unsigned i = 0; i < rank; ++i) { map[2 + i] = dims[i]; map[7 + i] = box[i]; map[12 + i] = estrides[i] * 1000; }
+  for (unsigned i = 0; i + 1 < rank; ++i) map[2 + rank + i] = strides[i];
+  return result; }
 int cuOccupancyMaxActiveClusters(int *n, void *f, const void *config) {
   const unsigned *dims = (const unsigned *)config;
   const char *attrs = *(char *const *)((const char *)config + 40);
@@ -70,11 +80,15 @@ seen["get"] = cu.get_attribute(0x42, cu.NUM_REGS, "g")
 seen["blocks"] = cu.blocks_per_sm(0x42, 256, 1000, "b")
 seen["clusters"] = cu.max_active_clusters(0x42, 8, 128, 70000, "c")
 seen["config"] = list((ctypes.c_uint * 8).in_dll(fake, "seen_config"))
+tmap = cu.encode_tiled(cu.TENSOR_MAP_UINT8, 0x7000, (128, 64, 9), (128, 8448), (128, 64, 1),
+                       (1, 1, 1), cu.SWIZZLE_BYTES[128], cu.L2_PROMOTION_BYTES[128], "t")
+seen["tmap"] = [int.from_bytes(tmap[8 * i: 8 * i + 8], "little") for i in range(16)]
 ctypes.c_int.in_dll(fake, "result").value = 200  # CUDA_ERROR_INVALID_IMAGE
 errors = []
 for call in (lambda: cu.load_kernel(b"CUBINxyz", "entry_a", "loading k"),
              lambda: cu.set_attribute(0x42, 8, 1, "smem of k"),
-             lambda: cu.max_active_clusters(0x42, 8, 128, 0, "clusters of k")):
+             lambda: cu.max_active_clusters(0x42, 8, 128, 0, "clusters of k"),
+             lambda: cu.encode_tiled(0, 0x7000, (1,), (), (1,), (1,), 0, 0, "map of k")):
     try:
         call()
     except cu.LaunchError as exc:
@@ -108,10 +122,13 @@ def test_driver_calls_reach_the_driver_and_errors_raise(tmp_path, monkeypatch):
     assert seen["get"] == 4 * 100 + 0x42 and seen["blocks"] == 256 + 1000
     # one cluster of 8 CTAs of 128 threads, 70000 B each; the cluster-dimension attribute
     assert seen["clusters"] == 15 and seen["config"] == [8, 128, 70000, 4, 8, 1, 1, 1]
-    assert len(seen["errors"]) == 3
-    for error, what in zip(
-        seen["errors"], ("loading k", "smem of k", "clusters of k"), strict=True
-    ):
+    # rank 3 at 0x7000: dims, then the two outer strides, box, element strides (x1000 here)
+    flags = 0 | 3 << 8 | 0 << 16 | 3 << 24 | 2 << 32
+    expect = [flags, 0x7000, 128, 64, 9, 128, 8448, 128, 64, 1, 0, 0, 1000, 1000, 1000, 0]
+    assert seen["tmap"] == expect
+    assert len(seen["errors"]) == 4
+    whats = ("loading k", "smem of k", "clusters of k", "map of k")
+    for error, what in zip(seen["errors"], whats, strict=True):
         assert error.startswith(f"{what} failed") and "200" in error
 
 
@@ -124,3 +141,34 @@ def test_attribute_numbers_are_cuda_pythons():
     )
     cluster = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
     assert int(cluster) == 4  # _launcher_driver.h's CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    assert cu.TENSOR_MAP_UINT8 == int(driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8)
+    assert cu.INTERLEAVE_NONE == int(driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE)
+    assert cu.OOB_FILL_NONE == int(driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    for width, number in cu.SWIZZLE_BYTES.items():
+        assert number == int(getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{width}B"))
+    for size, number in cu.L2_PROMOTION_BYTES.items():
+        name = f"CU_TENSOR_MAP_L2_PROMOTION_L2_{size}B"
+        assert number == int(getattr(driver.CUtensorMapL2promotion, name))
+
+
+@pytest.mark.gpu
+def test_gpu_the_launcher_and_cuda_python_answer_alike(monkeypatch):
+    """On a real driver: the same tensor map bytes, occupancy and registers either way."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or native.launcher() is None:
+        pytest.skip("needs a GPU and the compiled launcher")
+    from flashinfer_jit.mqa_logits.tma import TmaConfig, tma_family
+
+    pool = torch.empty(9, 64 * 132, dtype=torch.uint8, device="cuda")
+    dims = ((128, 64, 9), (128, 64 * 132), (128, 64, 1), (1, 1, 1))
+    config = (*TmaConfig(3, 9, 3, 2), 0)
+    kernel = tma_family.get(
+        (1, 64, 128, 64, torch.float32, torch.float32, torch.float32, *config), 0
+    )
+    answers = []
+    for launcher in (native.launcher(), None):
+        monkeypatch.setattr(native, "launcher", lambda found=launcher: found)
+        tmap = cu.encode_tiled(0, pool.data_ptr(), *dims, 3, 2, "map")
+        answers.append((tmap, cu.blocks_per_sm(kernel._handle, 416, 100000, "occupancy"),
+                        cu.get_attribute(kernel._handle, cu.NUM_REGS, "regs")))  # fmt: skip
+    assert answers[0] == answers[1] and answers[0][1] >= 1 and answers[0][2] > 0

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from jit_kernels import TENSOR_MAP, KernelUnavailable
+from jit_kernels import TENSOR_MAP, KernelUnavailable, LaunchError
+from jit_kernels import driver as cu
 
 from .._jit import kernel_family
 from .checks import SMEM_LIMIT, STATIC_SMEM, TILE, reg_cap
@@ -169,17 +170,6 @@ _maps: dict[tuple[int, ...], bytes] = {}
 _MAPS_MAX = 64
 
 
-def _swizzle(width: int):
-    from cuda.bindings import driver as cu
-
-    modes = cu.CUtensorMapSwizzle
-    return {
-        128: modes.CU_TENSOR_MAP_SWIZZLE_128B,
-        64: modes.CU_TENSOR_MAP_SWIZZLE_64B,
-        32: modes.CU_TENSOR_MAP_SWIZZLE_32B,
-    }[width]
-
-
 def kv_tensor_map(
     kv_ptr: int, num_blocks: int, block_size: int, dim: int, promotion: int = 128
 ) -> bytes:
@@ -190,32 +180,25 @@ def kv_tensor_map(
     found = _maps.get(key)
     if found is not None:
         return found
-    from cuda.bindings import driver as cu
-
     if num_blocks < 1:
         raise KernelUnavailable("kv_fused has no blocks: no tensor map to encode")
     width = min(dim, 128)
-    u64, u32 = cu.cuuint64_t, cu.cuuint32_t
-    err, tmap = cu.cuTensorMapEncodeTiled(
-        cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
-        3,
-        kv_ptr,
-        [u64(dim), u64(block_size), u64(num_blocks)],
-        [u64(dim), u64(block_size * (dim + 4))],
-        [u32(width), u32(min(block_size, TILE)), u32(1)],
-        [u32(1), u32(1), u32(1)],
-        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        _swizzle(width),
-        # 128, not 256: the tiles are whole 128-byte rows, and 256-byte promotion slowed
-        # the streaming by 5-8 % on the H200 (BENCHMARKS.md, MQA round 7).
-        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B
-        if promotion == 128
-        else cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-    )
-    if int(err) != 0:
-        raise KernelUnavailable(f"cuTensorMapEncodeTiled failed for kv_fused: {err!r}")
-    encoded = b"".join(int(word).to_bytes(8, "little") for word in tmap.opaque)
+    try:
+        encoded = cu.encode_tiled(
+            cu.TENSOR_MAP_UINT8,
+            kv_ptr,
+            (dim, block_size, num_blocks),
+            (dim, block_size * (dim + 4)),
+            (width, min(block_size, TILE), 1),
+            (1, 1, 1),
+            cu.SWIZZLE_BYTES[width],
+            # 128, not 256: the tiles are whole 128-byte rows, and 256-byte promotion slowed
+            # the streaming by 5-8 % on the H200 (BENCHMARKS.md, MQA round 7).
+            cu.L2_PROMOTION_BYTES[promotion],
+            "cuTensorMapEncodeTiled for kv_fused",
+        )
+    except LaunchError as exc:
+        raise KernelUnavailable(str(exc)) from exc
     if len(_maps) >= _MAPS_MAX:
         _maps.clear()
     _maps[key] = encoded
