@@ -101,7 +101,15 @@ def _empty_op(device: str) -> Call:
     return lambda: small.add_(1)
 
 
+def _empty_alloc_op(device: str) -> Call:
+    small = torch.zeros(16, device=device)
+    return lambda: small + 1
+
+
 EMPTY_OP = "empty torch op (x.add_(1))"
+# The same op with an output to allocate: what a row that allocates its outputs (out=None)
+# can be read against besides EMPTY_OP.
+EMPTY_ALLOC_OP = "empty torch op allocating (x + 1)"
 ROWS: dict[str, Row] = {
     "mqa B=1 L=8192 out=None": Row("mqa", "allocated", _mqa(8192, False)),
     "mqa B=1 L=8192 out=given": Row("mqa", "given", _mqa(8192, True)),
@@ -115,6 +123,7 @@ ROWS: dict[str, Row] = {
     "concat 1x16 out=given": Row("pack", "given", _pack(True)),
     "concat 1x16 out=None": Row("pack", "allocated", _pack(False)),
     EMPTY_OP: Row("torch", "", _empty_op),
+    EMPTY_ALLOC_OP: Row("torch", "allocated", _empty_alloc_op),
 }
 
 
