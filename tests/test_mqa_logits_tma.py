@@ -50,7 +50,8 @@ SHIPPED_N = sorted({nn * h for nn in (1, 2, 3, 4) for h in (32, 64)})
 @pytest.mark.parametrize("dim", TMA_DIMS)
 @pytest.mark.parametrize("n", [8, *SHIPPED_N, 256])
 def test_configs_fit(n, dim):
-    warpgroups, stages, producers, qbuf = tma_config(n, 0, dim)
+    warpgroups, stages, producers, qbuf, early = tma_config(n, 0, dim)
+    assert early == 0  # opt-in only
     assert stages % warpgroups == 0 and stages % producers == 0 and stages >= 2 * warpgroups
     assert tma_smem_bytes(n, dim, warpgroups, stages, qbuf) + STATIC_SMEM <= SMEM_LIMIT
     assert tma_regs(n) <= reg_cap(128 * warpgroups + 32 * producers)
@@ -69,6 +70,22 @@ def test_cubin_uses_tma_and_wgmma_without_spills(next_n, heads, block, tmp_path)
 def test_other_head_dims_compile_to_tma_and_wgmma(dim, block, tmp_path):
     f32 = torch.float32
     _check_tma_cubin((2, 64, dim, block, f32, f32, f32, *tma_config(128, 0, dim)), tmp_path)
+
+
+# EARLY=1: no spills, and ptxas keeps the wgmma asynchronous (no C7518: the kernel makes
+# the first request current before its loop so no MMA is in flight across a join).
+@pytest.mark.parametrize(
+    "next_n,dim,config",
+    [(1, 32, TmaConfig(4, 32, 4, 2, 1)), (1, 64, TmaConfig(4, 16, 4, 2, 1)),
+     (1, 128, TmaConfig(3, 9, 3, 2, 1)), (2, 64, TmaConfig(4, 20, 4, 2, 1)),
+     (2, 128, TmaConfig(4, 8, 4, 2, 1)), (1, 128, TmaConfig(1, 3, 1, 1, 1))],
+)  # fmt: skip
+def test_early_compiles_without_spills_or_serialized_wgmma(next_n, dim, config, tmp_path):
+    f32 = torch.float32
+    params = (next_n, 64, dim, 64, f32, f32, f32, *config)
+    _check_tma_cubin(params, tmp_path)
+    compiled = compile_cubin(render(tma_family.spec(params), BUILDER.template_root), "sm_90a")
+    assert compiled.messages == ""
 
 
 def _check_tma_cubin(params, tmp_path):
@@ -215,6 +232,10 @@ TMA_VARIANTS = {
     "tma_2x4p2q1": TmaConfig(2, 4, 2, 1),  # two producer warps, one Q buffer
     "tma_3x6p3q1": TmaConfig(3, 6, 3, 1),  # three warpgroups, one Q buffer
     "tma_4x16p2": TmaConfig(4, 16, 2, 2),  # where next_n*heads fits 4 warpgroups
+    # early: the MMA on the current Q right after the wait, the request checked after
+    "tma_1x3q1e": TmaConfig(1, 3, 1, 1, 1),  # one Q buffer: every switch redoes a tile
+    "tma_2x4e": TmaConfig(2, 4, 2, 2, 1),
+    "tma_4x16p4e": TmaConfig(4, 16, 4, 2, 1),  # 4 warpgroups: next_n*heads <= 64 only
 }
 
 
@@ -247,7 +268,8 @@ def _served_by_tma() -> bool:
     [(1, 64, 64), (2, 32, 32), (3, 64, 128), (4, 64, 64), (2, 4, 64), (1, 32, 128), (4, 32, 32)],
 )
 def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
-    if tma_variant.config == TMA_VARIANTS["tma_4x16p2"] and next_n * heads > 64:
+    four = (TMA_VARIANTS["tma_4x16p2"], TMA_VARIANTS["tma_4x16p4e"])
+    if tma_variant.config in four and next_n * heads > 64:
         pytest.skip("4 warpgroups fit next_n*heads <= 64 only")
     if tma_variant.config == TMA_VARIANTS["tma_3x6p3q1"] and next_n * heads > 192:
         pytest.skip("3 warpgroups fit next_n*heads <= 192 only")
@@ -261,7 +283,9 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "tma_variant", ["auto", "large", "tma_1x3", "tma_2x4p2q1", "tma_4x16p2"], indirect=True
+    "tma_variant",
+    ["auto", "large", "tma_1x3", "tma_2x4p2q1", "tma_4x16p2", "tma_2x4e", "tma_4x16p4e"],
+    indirect=True,
 )
 @pytest.mark.parametrize(
     "dim,next_n,heads,block_size",
@@ -270,7 +294,7 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
 )  # fmt: skip
 def test_gpu_tma_other_head_dims(tma_variant, dim, next_n, heads, block_size):
     """Column panels in the 32/64-byte swizzles, and two 128-byte panels at head_dim 256."""
-    four = tma_variant.config == TMA_VARIANTS["tma_4x16p2"]
+    four = tma_variant.config in (TMA_VARIANTS["tma_4x16p2"], TMA_VARIANTS["tma_4x16p4e"])
     if four and (next_n * heads > 64 or dim > 64):
         pytest.skip("4 warpgroups x 16 stages fit next_n*heads <= 64 at head_dim <= 64 only")
     lens = EDGE_LENS + [next_n - 1, 1000, 64 * 7, 3 * block_size]

@@ -39,7 +39,7 @@ from bench_util import warm_gpu  # noqa: E402
 import flashinfer_jit.mqa_logits as mq  # noqa: E402
 from flashinfer_jit.mqa_logits import MqaLogitsOptions  # noqa: E402
 from flashinfer_jit.mqa_logits import plan as mq_plan  # noqa: E402
-from flashinfer_jit.mqa_logits.tma import TmaConfig  # noqa: E402
+from flashinfer_jit.mqa_logits.tma import TMA_DIMS, TmaConfig, tma_config  # noqa: E402
 
 BW = 4.24e12  # measured device-to-device copy bandwidth, bytes/s
 SET_BYTES = 240e6  # 4x the 60 MiB L2
@@ -54,6 +54,9 @@ class Row(NamedTuple):
     dim: int = 128
     block: int = 64
     long: int = 0  # one request of this length among the others (a skewed batch)
+
+    def head_dim_fits_tma(self) -> bool:
+        return self.dim in TMA_DIMS
 
 
 ROWS = [
@@ -78,14 +81,16 @@ ROWS = [
     Row("blk32", 256, 1, 64, 8192, block=32),
     Row("blk128", 256, 1, 64, 8192, block=128),
 ]
-# --sweep: forced TMA configs (warpgroups, stages, producer warps, Q buffers) per row;
-# "l2_256": the dispatcher's config with the KV tensor map's L2 promotion at 256 bytes.
+# --sweep: forced TMA configs (warpgroups, stages, producer warps, Q buffers[, early]) per
+# row; "l2_256": the dispatcher's config with the KV tensor map's L2 promotion at 256 bytes.
+# Every row also times "early": the dispatcher's own config with early=1 (the MMA issued
+# right after the stage lands, on the current request's Q; sm90_tma_wgmma.cuh EARLY).
 SWEEPS: dict[str, list] = {
-    "d64": [TmaConfig(3, 18, 3, 2)],
-    "d32": [TmaConfig(3, 36, 3, 2)],
-    "d64n2": [TmaConfig(4, 8, 4, 2), TmaConfig(4, 12, 4, 2), TmaConfig(4, 16, 4, 2),
-              TmaConfig(4, 12, 4, 1), TmaConfig(3, 12, 3, 2)],
-    "d32n2": [TmaConfig(4, 16, 4, 2), TmaConfig(4, 24, 4, 2), TmaConfig(3, 24, 3, 2)],
+    "d64": [TmaConfig(3, 18, 3, 2, 1)],
+    "d32": [TmaConfig(3, 36, 3, 2, 1)],
+    "d64n2": [TmaConfig(4, 12, 4, 1, 1), TmaConfig(4, 16, 4, 2, 1)],
+    "d32n2": [TmaConfig(4, 16, 4, 2, 1)],
+    "skew32": [TmaConfig(3, 9, 3, 2, 1)],
 }  # fmt: skip
 
 
@@ -217,6 +222,14 @@ def ours(
     return lambda: run(args)
 
 
+def dispatcher_config(row: Row, s: dict) -> TmaConfig:
+    """The TMA config the dispatcher picks for this row's call on set s."""
+    small = mq_plan.small_work(
+        row.batch, s["max_len"], torch.cuda.get_device_properties(0).multi_processor_count
+    )
+    return tma_config(row.next_n * row.heads, small, row.dim)
+
+
 def theirs(dg, s: dict) -> Callable[[], torch.Tensor]:
     sched = dg.get_paged_mqa_logits_metadata(s["lens2d"], s["kv"].shape[1], dg.get_num_sms())
     args = ((s["q"], None), s["kv"], s["w"], s["lens2d"], s["table"], sched, s["max_len"])
@@ -244,11 +257,14 @@ def run_row(row: Row, dg, reps: int, sweep: bool, gen: torch.Generator) -> dict:
         sides["ours_dg_api"] = ours_dg_api
     if dg is not None and deepgemm_supports(row):
         sides["deepgemm"] = lambda s: theirs(dg, s)
+    if sweep and row.head_dim_fits_tma():
+        sides["early"] = lambda s: ours(s, dispatcher_config(row, s)._replace(early=1))
     for config in SWEEPS.get(row.name, []) if sweep else []:
         if config == "l2_256":
             sides[config] = lambda s: ours(s, promotion=256)
             continue
         name = f"tma{config.warpgroups}x{config.stages}p{config.producers}q{config.qbuf}"
+        name += "e" if config.early else ""
         sides[name] = lambda s, c=config: ours(s, c)
     res["served"] = ""
     eager_calls = {}

@@ -60,14 +60,14 @@ PATCHES = [
         "  if (threadIdx.x == 0) { FIJ_TRACE(3, fij_ns()); FIJ_TRACE(4, len); }\n",
     ),
     (
-        "    const int4 m = arrive(i);\n",
-        "    const int4 m = arrive(i);\n    const int o = (i - wg) / WGS;\n"
-        f"    if (tid == 0 && o < {TILES}) FIJ_TRACE(16 + 48 * wg + 2 * o, fij_ns());\n",
+        "      const int4 m = arrive(i);\n",
+        "      const int4 m = arrive(i);\n      const int o = (i - wg) / WGS;\n"
+        f"      if (tid == 0 && o < {TILES}) FIJ_TRACE(16 + 48 * wg + 2 * o, fij_ns());\n",
     ),
     (
-        "    finish(i % STAGES, m, acc);\n  }\n",
-        "    finish(i % STAGES, m, acc);\n"
-        f"    if (tid == 0 && o < {TILES}) FIJ_TRACE(17 + 48 * wg + 2 * o, fij_ns());\n  }}\n"
+        "      finish(i % STAGES, m, acc);\n    }\n  }\n",
+        "      finish(i % STAGES, m, acc);\n"
+        f"      if (tid == 0 && o < {TILES}) FIJ_TRACE(17 + 48 * wg + 2 * o, fij_ns());\n    }}\n  }}\n"
         "  if (tid == 0) { FIJ_TRACE(8 + wg, fij_ns()); FIJ_TRACE(12 + wg, fij_clk()); }\n",
     ),
 ]

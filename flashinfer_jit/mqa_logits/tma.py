@@ -39,6 +39,7 @@ tma_family = kernel_family(
         "stages",
         "producers",
         "qbuf",
+        "early",
     ),
     (*LOGITS_ARGS, TENSOR_MAP),  # + the KV pool's tensor map
     archs=("sm_90a",),
@@ -54,6 +55,10 @@ class TmaConfig(NamedTuple):
     stages: int  # ring stages
     producers: int  # producer warps
     qbuf: int  # Q buffers per warpgroup (2: the next request's Q is prefetched)
+    # 1: a tile's MMA is issued right after its stage lands, on the current request's Q,
+    # its descriptors built before the wait and its request checked after (a switch drains
+    # and reissues). Opt-in, for timing (sm90_tma_wgmma.cuh, EARLY).
+    early: int = 0
 
 
 def tma_regs(n: int) -> int:

@@ -200,7 +200,7 @@ __device__ __forceinline__ void tma_epilogue(unsigned (&acc)[ACC_WORDS], const W
 }
 
 template <int NEXT_N, int HEADS, int DIM, int BLOCK, typename OutT, typename EpiT, typename AccT, int WGS, int STAGES,
-          int PRODUCERS, int QBUF>
+          int PRODUCERS, int QBUF, int EARLY>
 __global__ void __maxnreg__(reg_cap(WGS * 128 + 32 * PRODUCERS))
 paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS, DIM] e4m3, contiguous
                      const unsigned char* __restrict__ kv,      // [num_blocks, BLOCK * (DIM + 4)] fused pool
@@ -309,7 +309,6 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     }
   }
   // The MMA of the tile in stage s into acc (asynchronous: committed, not waited for).
-  // The MMA of the tile in stage s into acc (asynchronous: committed, not waited for).
   auto issue_mma = [&](int s, unsigned (&acc)[ACC_WORDS]) {
     // s and cur are warp-uniform but ptxas cannot tell: broadcasting the two addresses lets
     // it build the descriptors in uniform registers (fewer instructions a tile than moving
@@ -342,13 +341,51 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     return m;
   };
 
-  for (int i = wg; i < len; i += WGS) {
-    const int4 m = arrive(i);
-    if (m.x >= batch) continue;
-    if (m.x != q_b) switch_to(m.x);
-    unsigned acc[ACC_WORDS];
-    issue_mma(i % STAGES, acc);
-    finish(i % STAGES, m, acc);
+  if constexpr (EARLY) {
+    // Between a stage landing and its MMA only the wait: the stage's descriptor is built
+    // before the wait (it depends on the stage index only), Q's once per request, and the
+    // MMA goes out on the current request's Q before the tile's request is read. A tile of
+    // another request (or padding) waits for that MMA, switches and redoes the tile inside
+    // its branch. No MMA is in flight across a branch's join (ptxas would serialize every
+    // wgmma, C7518), so the first request is made current before the loop.
+    if (wg < len && pf_b >= 0) switch_to(pf_b);
+    auto mma = [&](unsigned (&into)[ACC_WORDS], unsigned long long da, unsigned long long db) {
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      tma_mma_cols<N, 0, N, DIM, F16ACC>(into, da, db);
+    };
+    unsigned long long db = P::desc(__shfl_sync(0xffffffffu, qaddr0 + cur * (N * DIM), 0));
+    for (int i = wg; i < len; i += WGS) {
+      const int s = i % STAGES;
+      const unsigned long long da = P::desc(__shfl_sync(0xffffffffu, base + s * L::kVals, 0));
+      mbar_wait(full0 + 8 * s, (i / STAGES) & 1);
+      unsigned acc[ACC_WORDS];
+      mma(acc, da, db);
+      int4 m = meta[s];
+      m.x = __shfl_sync(0xffffffffu, m.x, 0);
+      if (m.x >= batch || m.x != q_b) {
+        tma_mma_wait<0, 0, ACC_WORDS>(acc);  // discarded: not this tile's request
+        if (m.x >= batch) {  // padding of an inconsistent caller schedule
+          release_stage(empty0 + 8 * s);
+          continue;
+        }
+        switch_to(m.x);
+        db = P::desc(__shfl_sync(0xffffffffu, qaddr0 + cur * (N * DIM), 0));
+        unsigned again[ACC_WORDS];
+        mma(again, da, db);
+        finish(s, m, again);
+        continue;
+      }
+      finish(s, m, acc);
+    }
+  } else {
+    for (int i = wg; i < len; i += WGS) {
+      const int4 m = arrive(i);
+      if (m.x >= batch) continue;
+      if (m.x != q_b) switch_to(m.x);
+      unsigned acc[ACC_WORDS];
+      issue_mma(i % STAGES, acc);
+      finish(i % STAGES, m, acc);
+    }
   }
   cp_async_wait_all();  // no cp.async may outlive the block
 }
