@@ -145,7 +145,7 @@ def encode_tiled(
     launcher = native.launcher()
     if launcher is not None:
         args = (dtype, address, dims, strides, box, element_strides, INTERLEAVE_NONE)
-        return _native_result(launcher.encode_tiled(*args, swizzle, promotion, OOB_FILL_NONE), what)
+        return _check(launcher.encode_tiled(*args, swizzle, promotion, OOB_FILL_NONE), what)
     from cuda.bindings import driver
 
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
@@ -162,5 +162,5 @@ def encode_tiled(
         driver.CUtensorMapL2promotion(promotion),
         driver.CUtensorMapFloatOOBfill(OOB_FILL_NONE),
     )
-    _check((err, None), what)
+    _check(int(err), what)
     return b"".join(int(word).to_bytes(8, "little") for word in tmap.opaque)
