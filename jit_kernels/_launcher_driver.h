@@ -76,6 +76,12 @@ static int open_loader(void) {
   return 0;
 }
 
+/* PyArg "O&" converter: an int to a CUfunction handle, after the driver is opened. */
+static int function_arg(PyObject *obj, void *out) {
+  *(CUfunction *)out = (CUfunction)PyLong_AsVoidPtr(obj);
+  return !PyErr_Occurred() && open_loader() == 0;
+}
+
 static PyObject *load_library(PyObject *module, PyObject *args) {
   Py_buffer image;
   const char *entry;
@@ -125,26 +131,18 @@ static PyObject *load_module(PyObject *module, PyObject *args) {
 }
 
 static PyObject *set_attribute(PyObject *module, PyObject *args) {
-  PyObject *function;
+  CUfunction f;
   int attribute, value;
-  if (!PyArg_ParseTuple(args, "Oii", &function, &attribute, &value) || open_loader() < 0) {
-    return NULL;
-  }
-  CUfunction f = (CUfunction)PyLong_AsVoidPtr(function);
-  if (PyErr_Occurred()) {
+  if (!PyArg_ParseTuple(args, "O&ii", function_arg, &f, &attribute, &value)) {
     return NULL;
   }
   return PyLong_FromLong(cu.set_attribute(f, attribute, value));
 }
 
 static PyObject *get_attribute(PyObject *module, PyObject *args) {
-  PyObject *function;
+  CUfunction f;
   int attribute, value = 0;
-  if (!PyArg_ParseTuple(args, "Oi", &function, &attribute) || open_loader() < 0) {
-    return NULL;
-  }
-  CUfunction f = (CUfunction)PyLong_AsVoidPtr(function);
-  if (PyErr_Occurred()) {
+  if (!PyArg_ParseTuple(args, "O&i", function_arg, &f, &attribute)) {
     return NULL;
   }
   CUresult err = cu.get_attribute(&value, attribute, f);
@@ -152,14 +150,10 @@ static PyObject *get_attribute(PyObject *module, PyObject *args) {
 }
 
 static PyObject *blocks_per_sm(PyObject *module, PyObject *args) {
-  PyObject *function;
+  CUfunction f;
   int threads, n = 0;
   Py_ssize_t smem;
-  if (!PyArg_ParseTuple(args, "Oin", &function, &threads, &smem) || open_loader() < 0) {
-    return NULL;
-  }
-  CUfunction f = (CUfunction)PyLong_AsVoidPtr(function);
-  if (PyErr_Occurred()) {
+  if (!PyArg_ParseTuple(args, "O&in", function_arg, &f, &threads, &smem)) {
     return NULL;
   }
   CUresult err = cu.blocks(&n, f, threads, (size_t)smem);
@@ -167,14 +161,10 @@ static PyObject *blocks_per_sm(PyObject *module, PyObject *args) {
 }
 
 static PyObject *clusters(PyObject *module, PyObject *args) {
-  PyObject *function;
+  CUfunction f;
   unsigned int cluster, threads, smem;
   int n = 0;
-  if (!PyArg_ParseTuple(args, "OIII", &function, &cluster, &threads, &smem) || open_loader() < 0) {
-    return NULL;
-  }
-  CUfunction f = (CUfunction)PyLong_AsVoidPtr(function);
-  if (PyErr_Occurred()) {
+  if (!PyArg_ParseTuple(args, "O&III", function_arg, &f, &cluster, &threads, &smem)) {
     return NULL;
   }
   CUlaunchAttribute attribute;

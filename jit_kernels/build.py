@@ -68,8 +68,9 @@ class KernelBuilder:
             if memo in self._built:
                 return self._built[memo], False
             rendered = render(spec, self.template_root)
+            identity = compiler_identity(spec.compiler)
             try:
-                kernel, compiled = self._get_or_build(spec, arch, rendered, None)
+                kernel, compiled = self._get_or_build(spec, arch, rendered, identity)
             except _OtherCompiler as exc:  # the wheel's metadata named another NVRTC
                 log.warning("%s; keying %s by the loaded one", exc, spec.label)
                 kernel, compiled = self._get_or_build(spec, arch, rendered, exc.identity)
@@ -77,12 +78,10 @@ class KernelBuilder:
             return kernel, compiled
 
     def _get_or_build(
-        self, spec: KernelSpec, arch: str, rendered: RenderedSource, identity: str | None
+        self, spec: KernelSpec, arch: str, rendered: RenderedSource, identity: str
     ) -> tuple[CompiledKernel, bool]:
-        """From disk, or compiled and stored, under the key of ``identity`` (default: the
-        installed compiler's, which a compile checks against the loaded one first)."""
-        checked = identity is not None
-        identity = identity or compiler_identity(spec.compiler)
+        """From disk, or compiled and stored, under the key of the compiler ``identity``; a
+        compile first checks that the loaded compiler is that one."""
         key = self._key(rendered, identity, arch)
         meta = {
             "key": key,
@@ -94,7 +93,7 @@ class KernelBuilder:
         }
 
         def compile_now() -> CompiledKernel:
-            loaded = identity if checked else compiler_identity(spec.compiler, loaded=True)
+            loaded = compiler_identity(spec.compiler, loaded=True)
             if loaded != identity:  # before any compile: the stored key must name its compiler
                 raise _OtherCompiler(identity, loaded)
             if self.on_compile is not None:

@@ -32,25 +32,22 @@ def _error_name(err) -> str:
         return f"CUresult {int(err)}"
 
 
-def _check(result: tuple, what: str):
-    err = result[0]
-    if int(err) != 0:
-        raise LaunchError(f"{what} failed: {err!r}")
-    return result[1] if len(result) == 2 else result[1:]
-
-
-def _native_result(result, what: str):
+def _check(result, what: str):
+    """The value(s) after the CUresult of a driver call: a bare CUresult (the launcher's
+    setters), or a tuple led by one (the launcher's and cuda-python's others)."""
     err = result if isinstance(result, int) else result[0]
-    if err != 0:
+    if int(err) != 0:
         raise LaunchError(f"{what} failed: {_error_name(err)}")
-    return None if isinstance(result, int) else result[1] if len(result) == 2 else result[1:]
+    if isinstance(result, int):
+        return None
+    return result[1] if len(result) == 2 else result[1:]
 
 
 def load_kernel(cubin: bytes, entry: str, what: str) -> tuple[int, int]:
     """(library, function) of ``entry`` in ``cubin``."""
     launcher = native.launcher()
     if launcher is not None:
-        return _native_result(launcher.load_library(cubin, entry.encode()), what)
+        return _check(launcher.load_library(cubin, entry.encode()), what)
     from cuda.bindings import driver
 
     library = _check(driver.cuLibraryLoadData(cubin, [], [], 0, [], [], 0), "cuLibraryLoadData")
@@ -63,7 +60,7 @@ def load_module(image: bytes, entry: str, what: str) -> int:
     cubin); the module stays loaded."""
     launcher = native.launcher()
     if launcher is not None:
-        return _native_result(launcher.load_module(image, entry.encode()), what)[1]
+        return _check(launcher.load_module(image, entry.encode()), what)[1]
     from cuda.bindings import driver
 
     module = _check(driver.cuModuleLoadData(image), what)
@@ -73,18 +70,18 @@ def load_module(image: bytes, entry: str, what: str) -> int:
 def set_attribute(function: int, attribute: int, value: int, what: str) -> None:
     launcher = native.launcher()
     if launcher is not None:
-        _native_result(launcher.set_attribute(function, attribute, value), what)
+        _check(launcher.set_attribute(function, attribute, value), what)
         return
     from cuda.bindings import driver
 
     (err,) = driver.cuFuncSetAttribute(function, driver.CUfunction_attribute(attribute), value)
-    _check((err, None), what)
+    _check(int(err), what)
 
 
 def get_attribute(function: int, attribute: int, what: str) -> int:
     launcher = native.launcher()
     if launcher is not None:
-        return _native_result(launcher.get_attribute(function, attribute), what)
+        return _check(launcher.get_attribute(function, attribute), what)
     from cuda.bindings import driver
 
     return int(
@@ -96,7 +93,7 @@ def blocks_per_sm(function: int, threads: int, smem: int, what: str) -> int:
     """Resident blocks of ``threads`` threads and ``smem`` dynamic bytes per SM."""
     launcher = native.launcher()
     if launcher is not None:
-        return _native_result(launcher.blocks_per_sm(function, threads, smem), what)
+        return _check(launcher.blocks_per_sm(function, threads, smem), what)
     from cuda.bindings import driver
 
     return int(
@@ -109,7 +106,7 @@ def max_active_clusters(function: int, cluster: int, threads: int, smem: int, wh
     each) on the current device."""
     launcher = native.launcher()
     if launcher is not None:
-        return _native_result(launcher.clusters(function, cluster, threads, smem), what)
+        return _check(launcher.clusters(function, cluster, threads, smem), what)
     from cuda.bindings import driver
 
     config = driver.CUlaunchConfig()

@@ -25,7 +25,7 @@ import torch
 from . import driver as cu
 from . import native
 from .compile import CompiledKernel, nvrtc_version
-from .driver import LaunchError, _check, _error_name  # noqa: F401 (their home before driver.py)
+from .driver import LaunchError, _check, _error_name
 
 _ALIGN = {
     "b": 1,

@@ -112,7 +112,9 @@ def test_kernels_compile(arch, params, tmp_path):
     from jit_kernels import compile_cubin, render
 
     spec = ring_family.spec(ring_params(params[:4], params[4:]))
-    cubin = compile_cubin(render(spec, BUILDER.template_root), arch).cubin
+    compiled = compile_cubin(render(spec, BUILDER.template_root), arch)
+    assert compiled.messages == "", f"{spec.label} on {arch}: {compiled.messages}"
+    cubin = compiled.cubin
     sass, res = _sass(cubin, tmp_path)
     assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills on {arch}: {res}"
     if arch == "sm_90a":
@@ -132,7 +134,13 @@ def test_generic_kernel_compiles(arch, tmp_path):
     from jit_kernels import compile_cubin, render
 
     spec = generic_specs()[0]
-    sass, res = _sass(compile_cubin(render(spec, BUILDER.template_root), arch).cubin, tmp_path)
+    compiled = compile_cubin(render(spec, BUILDER.template_root), arch)
+    # Known: on sm_90a ptxas serializes the generic kernel's wgmma (C7519: its MMA sits under
+    # runtime head_dim / column guards; perf-log engine, 2026-12-02). Nothing else is said.
+    known = "C7519" if arch == "sm_90a" else None
+    said = [line for line in compiled.messages.splitlines() if known is None or known not in line]
+    assert not said, f"{spec.label} on {arch}: {compiled.messages}"
+    sass, res = _sass(compiled.cubin, tmp_path)
     assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills on {arch}: {res}"
     assert ("QGMMA" if arch == "sm_90a" else "HMMA") in sass
 

@@ -90,7 +90,10 @@ def test_early_compiles_without_spills_or_serialized_wgmma(next_n, dim, config, 
 
 def _check_tma_cubin(params, tmp_path):
     spec = tma_family.spec(params)
-    sass, res = _sass(compile_cubin(render(spec, BUILDER.template_root), "sm_90a").cubin, tmp_path)
+    compiled = compile_cubin(render(spec, BUILDER.template_root), "sm_90a")
+    # ptxas says nothing: a serialized wgmma (C7518/C7519) is a warning, not an error
+    assert compiled.messages == "", f"{spec.label}: {compiled.messages}"
+    sass, res = _sass(compiled.cubin, tmp_path)
     assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills: {res}"
     assert "UTMALDG.3D" in sass and "QGMMA" in sass
     assert not spec.supports("sm_100a")

@@ -372,6 +372,7 @@ def test_kernels_compile_without_spills(arch, tmp_path):
     for spec in _checked_specs():
         kernel = compile_cubin(render(spec, TEMPLATE_ROOT), arch)
         assert kernel.cubin and kernel.entry
+        assert kernel.messages == "", f"{spec.label} on {arch}: {kernel.messages}"  # no warning
         if tool is None:
             continue
         path = tmp_path / "k.cubin"

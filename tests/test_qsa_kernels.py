@@ -212,6 +212,7 @@ def test_loop_forms_compile_without_spills(tmp_path):
         config = qk.default_config(d, 0, bulk)
         family, params = qk.decode_plan(group, d, 0, False, bulk, config, tmma, lean)
         kernel = compile_cubin(render(family.spec(params), TEMPLATE_ROOT), "sm_90a")
+        assert kernel.messages == "", kernel.messages  # NVRTC and ptxas said nothing
         if tool is None:
             continue
         path = tmp_path / "k.cubin"

@@ -36,18 +36,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashinfer_jit import qsa  # noqa: E402
 from flashinfer_jit._jit import cuda_device_index  # noqa: E402
-from flashinfer_jit._version import __version__  # noqa: E402
 from flashinfer_jit.qsa import kernels as qk  # noqa: E402
 from flashinfer_jit.qsa import plan as qsa_plan  # noqa: E402
 from flashinfer_jit.qsa.checks import offset_bits  # noqa: E402
 from flashinfer_jit.qsa.op import run_kernels  # noqa: E402
-from jit_kernels import I32, I64, PTR, U32, KernelBuilder, KernelFamily, current_stream  # noqa: E402
+from jit_kernels import I32, I64, PTR, U32, KernelFamily, current_stream  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_util import warm_gpu  # noqa: E402
 from qsa_bench_util import (  # noqa: E402
     HEAD_DIM,
     PAGE,
+    TOOLS_BUILDER,
     check,
     copy_bandwidth,
     floor_us,
@@ -102,7 +102,7 @@ ALT_CLUSTER = {
 }
 # The probe is a tool's kernel: built from tools/kernels/, never shipped.
 _probe_family = KernelFamily(
-    KernelBuilder(Path(__file__).resolve().parent / "kernels", __version__ + "+tools"),
+    TOOLS_BUILDER,
     "qsa_gather_probe",
     "qsa_gather_probe.cuh",
     "fij_qsa::qsa_gather_probe",

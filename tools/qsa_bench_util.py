@@ -13,10 +13,13 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
+from flashinfer_jit._version import __version__
 from flashinfer_jit.qsa.reference import qsa_decode_torch
+from jit_kernels import KernelBuilder
 
 BANDWIDTH = 4.24e6  # bytes per microsecond (measured device-to-device copy on the H200)
 PAGE, HEAD_DIM = 64, 128
@@ -24,6 +27,8 @@ L2_CYCLE_BYTES = 240e6  # 4x the H200's 60 MB L2: one graph's gathers pass it th
 TOL = 2e-2  # normalized max error against the torch path (checked before timing)
 Args = tuple  # one call's arguments, as the public functions take them
 _pool: list[torch.Tensor] = []
+# The probe kernels of tools/kernels/: built like the package's, never shipped.
+TOOLS_BUILDER = KernelBuilder(Path(__file__).resolve().parent / "kernels", __version__ + "+tools")
 
 
 def pool(gib: float) -> torch.Tensor:

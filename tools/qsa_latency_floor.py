@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qsa_bench_grid import grid  # noqa: E402
 from qsa_bench_util import (  # noqa: E402
+    TOOLS_BUILDER,
     capture,
     check,
     fmt,
@@ -44,12 +45,10 @@ from qsa_dispatch_sweep import SEED_TOL, default_seed_path, load_seed  # noqa: E
 
 from flashinfer_jit import qsa  # noqa: E402
 from flashinfer_jit._jit import cuda_device_index  # noqa: E402
-from flashinfer_jit._version import __version__  # noqa: E402
-from jit_kernels import I32, I64, PTR, KernelBuilder, KernelFamily, current_stream  # noqa: E402
+from jit_kernels import I32, I64, PTR, KernelFamily, current_stream  # noqa: E402
 
-_tools = KernelBuilder(Path(__file__).resolve().parent / "kernels", __version__ + "+tools")
 _chain = KernelFamily(
-    _tools,
+    TOOLS_BUILDER,
     "qsa_chain_probe",
     "qsa_chain_probe.cuh",
     "fij_qsa::qsa_chain_probe",
