@@ -161,7 +161,7 @@ def test_gpu_the_launcher_and_cuda_python_answer_alike(monkeypatch):
 
     pool = torch.empty(9, 64 * 132, dtype=torch.uint8, device="cuda")
     dims = ((128, 64, 9), (128, 64 * 132), (128, 64, 1), (1, 1, 1))
-    config = (*TmaConfig(3, 9, 3, 2), 0)
+    config = TmaConfig(3, 9, 3, 2)
     kernel = tma_family.get(
         (1, 64, 128, 64, torch.float32, torch.float32, torch.float32, *config), 0
     )

@@ -1,6 +1,6 @@
 """fp8_paged_mqa_logits against DeepGEMM's sm90 kernel, timed the same way in one process.
 
-    python tools/bench_mqa_peer.py [--deepgemm DIR] [--rows a,b] [--sweep] [--reps N]
+    python tools/bench_mqa_peer.py [--deepgemm DIR] [--rows a,b] [--sweep] [--probes] [--reps N]
 
 Per row: independent input sets (own KV pool, tables, lengths, q, weights) until the
 working set passes 240 MB (4x the H200's L2), at most 8, since a serving step reads a
@@ -16,7 +16,9 @@ The 2-D context lens give row t of a request its position limit len - next_n + t
 same rows the 1-D lens give ours. "ours_dg_api": our kernels through
 flashinfer_jit.deep_gemm, called as DeepGEMM is (its speed must equal the native entry's). Byte floor: the pool bytes the visible tokens occupy
 (values, scales) plus the logits written, over 4.24 TB/s. --sweep also times forced TMA
-configs (SWEEPS). The table prints last.
+configs (SWEEPS). --probes also times the dispatcher's config as the TMA kernel's timing
+probes (tools/mqa_logits_probe.py: 1 stream only, 2 stream + MMA, 3 stream + epilogue; they
+write no valid logits, so they are not checked). The table prints last.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_util import warm_gpu  # noqa: E402
+from mqa_logits_probe import probe_options  # noqa: E402
 
 import flashinfer_jit.mqa_logits as mq  # noqa: E402
 from flashinfer_jit.mqa_logits import MqaLogitsOptions  # noqa: E402
@@ -208,14 +211,19 @@ def ncu_calls(rows: list[Row], dg) -> None:
 
 
 def ours(
-    s: dict, config: TmaConfig | None = None, promotion: int = 128
+    s: dict,
+    config: TmaConfig | None = None,
+    promotion: int = 128,
+    options: MqaLogitsOptions | None = None,
 ) -> Callable[[], torch.Tensor]:
     """Our call on set s; ``config`` forces a TMA config, ``promotion`` the KV tensor map's
-    L2 fill size (MqaLogitsOptions: each variant has its own plans and replays)."""
+    L2 fill size, ``options`` replaces both (MqaLogitsOptions: each variant has its own
+    plans and replays)."""
     out = torch.empty(
         s["q"].shape[0] * s["q"].shape[1], mq.padded_seq_len(s["max_len"]), device="cuda"
     )
-    run = mq.OP.runner(MqaLogitsOptions(config=config, l2_promotion=promotion)).run
+    options = options or MqaLogitsOptions(config=config, l2_promotion=promotion)
+    run = mq.OP.runner(options).run
     f32 = torch.float32
     args = (s["q"], s["kv"], s["w"], s["table"], s["lens"], s["max_len"], f32, f32, f32, None, out)
     args += (False,)  # bf16_out: the seed's entry point
@@ -247,7 +255,7 @@ def ours_dg_api(s: dict) -> Callable[[], torch.Tensor]:
     return lambda: fij_dg.fp8_fp4_paged_mqa_logits(*args, False, torch.float32)
 
 
-def run_row(row: Row, dg, reps: int, sweep: bool, gen: torch.Generator) -> dict:
+def run_row(row: Row, dg, reps: int, sweep: bool, probes: bool, gen: torch.Generator) -> dict:
     per_set = row.batch * (0.85 * row.length + row.long) * (row.dim + 4)
     sets = [make_set(row, gen) for _ in range(int(min(8, max(2, -(-SET_BYTES // per_set)))))]
     tokens = statistics.mean(float(s["lens"].sum()) for s in sets)
@@ -266,6 +274,10 @@ def run_row(row: Row, dg, reps: int, sweep: bool, gen: torch.Generator) -> dict:
         name = f"tma{config.warpgroups}x{config.stages}p{config.producers}q{config.qbuf}"
         name += "e" if config.early else ""
         sides[name] = lambda s, c=config: ours(s, c)
+    for n in (1, 2, 3) if probes and row.head_dim_fits_tma() else ():
+        sides[f"probe{n}"] = lambda s, n=n: ours(
+            s, options=probe_options(dispatcher_config(row, s), n)
+        )
     res["served"] = ""
     eager_calls = {}
     for name, make in sides.items():
@@ -273,7 +285,8 @@ def run_row(row: Row, dg, reps: int, sweep: bool, gen: torch.Generator) -> dict:
             calls = [make(s) for s in sets]
             if name == "ours":
                 mq_plan._plans.clear()
-            check(calls[0](), sets[0], row)
+            if not name.startswith("probe"):  # probes write no valid logits
+                check(calls[0](), sets[0], row)
             if name == "ours":
                 res["served"] = " ".join(p.kernel.name[-60:] for p in mq_plan._plans.values())
             res[name] = per_call_in_graph(calls, reps)
@@ -295,6 +308,7 @@ def main() -> None:
     parser.add_argument("--deepgemm", help="folder holding DeepGEMM's built deep_gemm package")
     parser.add_argument("--rows", help="comma-separated row names (default: all)")
     parser.add_argument("--sweep", action="store_true", help="also time SWEEPS' forced configs")
+    parser.add_argument("--probes", action="store_true", help="also time the timing probes")
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument("--ncu", action="store_true", help="two untimed calls a side (ncu)")
     args = parser.parse_args()
@@ -313,7 +327,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     table = []
     for row in rows:
-        res = run_row(row, dg, args.reps, args.sweep, gen)
+        res = run_row(row, dg, args.reps, args.sweep, args.probes, gen)
         table.append((row, res))
         print(
             row.name,
