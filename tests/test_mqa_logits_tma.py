@@ -72,13 +72,17 @@ def test_other_head_dims_compile_to_tma_and_wgmma(dim, block, tmp_path):
     _check_tma_cubin((2, 64, dim, block, f32, f32, f32, *tma_config(128, 0, dim)), tmp_path)
 
 
-# EARLY=1: no spills, and ptxas keeps the wgmma asynchronous (no C7518: the kernel makes
+# EARLY=1 and 2 (lean): no spills, and ptxas keeps the wgmma asynchronous (no C7518: the kernel makes
 # the first request current before its loop so no MMA is in flight across a join).
 @pytest.mark.parametrize(
     "next_n,dim,config",
     [(1, 32, TmaConfig(4, 32, 4, 2, 1)), (1, 64, TmaConfig(4, 16, 4, 2, 1)),
      (1, 128, TmaConfig(3, 9, 3, 2, 1)), (2, 64, TmaConfig(4, 20, 4, 2, 1)),
-     (2, 128, TmaConfig(4, 8, 4, 2, 1)), (1, 128, TmaConfig(1, 3, 1, 1, 1))],
+     (2, 128, TmaConfig(4, 8, 4, 2, 1)), (1, 128, TmaConfig(1, 3, 1, 1, 1)),
+     (1, 32, TmaConfig(4, 32, 4, 2, 2)), (2, 32, TmaConfig(4, 40, 4, 2, 2)),
+     (1, 64, TmaConfig(4, 16, 4, 2, 2)), (2, 64, TmaConfig(4, 20, 4, 2, 2)),
+     (1, 128, TmaConfig(3, 9, 3, 2, 2)), (2, 128, TmaConfig(4, 8, 4, 2, 2)),
+     (1, 128, TmaConfig(1, 3, 1, 1, 2))],
 )  # fmt: skip
 def test_early_compiles_without_spills_or_serialized_wgmma(next_n, dim, config, tmp_path):
     f32 = torch.float32
@@ -239,6 +243,11 @@ TMA_VARIANTS = {
     "tma_1x3q1e": TmaConfig(1, 3, 1, 1, 1),  # one Q buffer: every switch redoes a tile
     "tma_2x4e": TmaConfig(2, 4, 2, 2, 1),
     "tma_4x16p4e": TmaConfig(4, 16, 4, 2, 1),  # 4 warpgroups: next_n*heads <= 64 only
+    # lean (early=2): early's order with the loop's state uniform and per-tile addresses
+    # one add from per-request bases (the store row is re-pointed at every switch)
+    "tma_1x3q1l": TmaConfig(1, 3, 1, 1, 2),
+    "tma_2x4l": TmaConfig(2, 4, 2, 2, 2),
+    "tma_4x16p4l": TmaConfig(4, 16, 4, 2, 2),
 }
 
 
@@ -271,7 +280,7 @@ def _served_by_tma() -> bool:
     [(1, 64, 64), (2, 32, 32), (3, 64, 128), (4, 64, 64), (2, 4, 64), (1, 32, 128), (4, 32, 32)],
 )
 def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
-    four = (TMA_VARIANTS["tma_4x16p2"], TMA_VARIANTS["tma_4x16p4e"])
+    four = (TMA_VARIANTS["tma_4x16p2"], TMA_VARIANTS["tma_4x16p4e"], TMA_VARIANTS["tma_4x16p4l"])
     if tma_variant.config in four and next_n * heads > 64:
         pytest.skip("4 warpgroups fit next_n*heads <= 64 only")
     if tma_variant.config == TMA_VARIANTS["tma_3x6p3q1"] and next_n * heads > 192:
@@ -287,7 +296,18 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "tma_variant",
-    ["auto", "large", "tma_1x3", "tma_2x4p2q1", "tma_4x16p2", "tma_2x4e", "tma_4x16p4e"],
+    [
+        "auto",
+        "large",
+        "tma_1x3",
+        "tma_2x4p2q1",
+        "tma_4x16p2",
+        "tma_2x4e",
+        "tma_4x16p4e",
+        "tma_1x3q1l",
+        "tma_2x4l",
+        "tma_4x16p4l",
+    ],
     indirect=True,
 )
 @pytest.mark.parametrize(
@@ -297,7 +317,11 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
 )  # fmt: skip
 def test_gpu_tma_other_head_dims(tma_variant, dim, next_n, heads, block_size):
     """Column panels in the 32/64-byte swizzles, and two 128-byte panels at head_dim 256."""
-    four = tma_variant.config in (TMA_VARIANTS["tma_4x16p2"], TMA_VARIANTS["tma_4x16p4e"])
+    four = tma_variant.config in (
+        TMA_VARIANTS["tma_4x16p2"],
+        TMA_VARIANTS["tma_4x16p4e"],
+        TMA_VARIANTS["tma_4x16p4l"],
+    )
     if four and (next_n * heads > 64 or dim > 64):
         pytest.skip("4 warpgroups x 16 stages fit next_n*heads <= 64 at head_dim <= 64 only")
     lens = EDGE_LENS + [next_n - 1, 1000, 64 * 7, 3 * block_size]
@@ -318,7 +342,18 @@ def _one_cta_schedule(batch: int) -> torch.Tensor:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "tma_variant", ["auto", "large", "tma_1x3", "tma_2x4p2q1", "tma_3x6p3q1"], indirect=True
+    "tma_variant",
+    [
+        "auto",
+        "large",
+        "tma_1x3",
+        "tma_2x4p2q1",
+        "tma_3x6p3q1",
+        "tma_2x4e",
+        "tma_1x3q1l",
+        "tma_2x4l",
+    ],
+    indirect=True,
 )
 @pytest.mark.parametrize("next_n,heads,block_size", [(1, 64, 64), (2, 64, 32), (1, 32, 128)])
 def test_gpu_tma_one_cta_walks_everything(tma_variant, next_n, heads, block_size):

@@ -87,7 +87,8 @@ ROWS = [
 # --sweep: forced TMA configs (warpgroups, stages, producer warps, Q buffers[, early]) per
 # row; "l2_256": the dispatcher's config with the KV tensor map's L2 promotion at 256 bytes.
 # Every row also times "early": the dispatcher's own config with early=1 (the MMA issued
-# right after the stage lands, on the current request's Q; sm90_tma_wgmma.cuh EARLY).
+# right after the stage lands, on the current request's Q; sm90_tma_wgmma.cuh EARLY) and
+# "lean" (early=2: that order with the loop's state uniform and per-tile addresses one add).
 SWEEPS: dict[str, list] = {
     "d64": [TmaConfig(3, 18, 3, 2, 1)],
     "d32": [TmaConfig(3, 36, 3, 2, 1)],
@@ -267,6 +268,7 @@ def run_row(row: Row, dg, reps: int, sweep: bool, probes: bool, gen: torch.Gener
         sides["deepgemm"] = lambda s: theirs(dg, s)
     if sweep and row.head_dim_fits_tma():
         sides["early"] = lambda s: ours(s, dispatcher_config(row, s)._replace(early=1))
+        sides["lean"] = lambda s: ours(s, dispatcher_config(row, s)._replace(early=2))
     for config in SWEEPS.get(row.name, []) if sweep else []:
         if config == "l2_256":
             sides[config] = lambda s: ours(s, promotion=256)

@@ -57,7 +57,9 @@ class TmaConfig(NamedTuple):
     qbuf: int  # Q buffers per warpgroup (2: the next request's Q is prefetched)
     # 1: a tile's MMA is issued right after its stage lands, on the current request's Q,
     # its descriptors built before the wait and its request checked after (a switch drains
-    # and reissues). Opt-in, for timing (sm90_tma_wgmma.cuh, EARLY).
+    # and reissues). 2 (lean): that order with the loop's state warp-uniform and every
+    # per-tile address one add from a per-thread or per-request base. Opt-in, for timing
+    # (sm90_tma_wgmma.cuh, EARLY).
     early: int = 0
 
 

@@ -81,6 +81,13 @@ struct RingLayout {
   static constexpr int kBytes = kBars + STAGES * 16;
 };
 
+// True in one lane of the (fully active) warp, which ptxas knows is a single lane.
+__device__ __forceinline__ bool elect_one() {
+  unsigned one;
+  asm volatile("{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\nselp.u32 %0, 1, 0, p;\n}" : "=r"(one));
+  return one != 0;
+}
+
 // Walks (request, tile) forward past requests without tiles.
 __device__ __forceinline__ void skip_empty(int& b, int& t, int& seq, const int* seq_lens, long long sl_stride,
                                            int batch) {
@@ -167,13 +174,18 @@ struct TileCursor {
 // p, p + producers, ... (stages % producers == 0 keeps a stage with one warp). Geometry
 // arguments are compile-time constants in the specialized kernels (folded after inlining)
 // and runtime values in the generic one.
-template <typename Copy>
+// LEAN: the warp's tile counter and stage warp-uniform (broadcast producer index and count)
+// and the copies issued by an elected lane, so ptxas issues them from uniform registers
+// without a loop over the lanes' values.
+template <bool LEAN = false, typename Copy>
 __device__ __forceinline__ void ring_produce(int4* meta, unsigned full0, unsigned empty0, int stages, int block,
                                              const int* sched, const Copy& copy,
                                              const int* __restrict__ block_tables, long long bt_stride,
                                              const int* __restrict__ seq_lens, long long sl_stride, int batch,
                                              int producer = 0, int producers = 1) {
-  const int lane = threadIdx.x & 31, len = sched[2];
+  const int lane = threadIdx.x & 31;
+  const int len = LEAN ? __shfl_sync(0xffffffffu, sched[2], 0) : sched[2];
+  if constexpr (LEAN) producer = __shfl_sync(0xffffffffu, producer, 0);
   TileCursor cur{sched[0], sched[1], 0};
   cur.seq = cur.b < batch ? max(0, seq_lens[cur.b * sl_stride]) : 0;
   cur.advance(producer + lane * producers, seq_lens, sl_stride, batch);
@@ -190,7 +202,7 @@ __device__ __forceinline__ void ring_produce(int4* meta, unsigned full0, unsigne
     const int blk0 = __shfl_sync(0xffffffffu, now.blk0, j), blk1 = __shfl_sync(0xffffffffu, now.blk1, j);
     const int s = i % stages;
     mbar_wait(empty0 + 8 * s, ((i / stages) & 1) ^ 1);
-    if (lane == 0) {
+    if (LEAN ? elect_one() : lane == 0) {
       if (b >= batch) {  // an inconsistent caller schedule: pad with empty tiles, never hang
         meta[s] = make_int4(batch, 0, 0, 0);
         mbar_arrive(full0 + 8 * s);

@@ -81,10 +81,12 @@ struct Panels {
   // wgmma descriptor of a K-major e4m3 panel: kWidth-byte rows, 8-row groups 8 * kWidth
   // bytes apart (SBO), the swizzle mode (1: 128, 2: 64, 3: 32 bytes); +2 per 32-byte k step.
   static __device__ __forceinline__ unsigned long long desc(unsigned addr) {
-    constexpr unsigned long long mode = kWidth == 128 ? 1 : kWidth == 64 ? 2 : 3;
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) |
-           ((unsigned long long)(8 * kWidth >> 4) << 32) | (mode << 62);
+    return (unsigned long long)desc_lo(addr) | ((unsigned long long)kDescHi << 32);
   }
+  // The two halves: the low word is linear in the address (shared addresses stay below
+  // 2^18), so a stage's is stage 0's plus s times the stage's bytes / 16.
+  static constexpr unsigned kDescHi = (8 * kWidth >> 4) | ((kWidth == 128 ? 1u : kWidth == 64 ? 2u : 3u) << 30);
+  static __device__ __forceinline__ unsigned desc_lo(unsigned addr) { return ((addr & 0x3FFFF) >> 4) | (1u << 16); }
 };
 
 // Shared memory (bytes from a 1024-aligned base): value stages, QBUF Q buffers per consumer
@@ -176,6 +178,31 @@ __device__ __forceinline__ void tma_mma_cols(unsigned (&acc)[ACC_WORDS], unsigne
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
 
+// The same MMA from the descriptors' low words (lean loop): each k step's words are 32-bit
+// adds, paired with the constant high word only at the instruction (64-bit adds on
+// descriptors cost ptxas two adds and four moves a k step).
+__device__ __forceinline__ unsigned long long desc_pack(unsigned lo, unsigned hi) {
+  unsigned long long d;
+  asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo), "r"(hi));
+  return d;
+}
+template <int N, int DIM, bool F16ACC, int ACC_WORDS>
+__device__ __forceinline__ void tma_mma_lo(unsigned (&acc)[ACC_WORDS], unsigned da, unsigned db) {
+  using P = Panels<DIM>;
+  constexpr int kSteps = P::kWidth / 32;
+#pragma unroll
+  for (int k = 0; k < DIM / 32; ++k) {
+    const unsigned ka = da + ((k / kSteps) * (kTile * P::kWidth) >> 4) + 2 * (k % kSteps);
+    const unsigned kb = db + ((k / kSteps) * N * P::kWidth >> 4) + 2 * (k % kSteps);
+    if constexpr (F16ACC)
+      WgmmaSS<N, true>::run(acc, desc_pack(ka, P::kDescHi), desc_pack(kb, P::kDescHi), k > 0 ? 1 : 0);
+    else
+      WgmmaSS<N, false>::run(reinterpret_cast<float*>(acc), desc_pack(ka, P::kDescHi), desc_pack(kb, P::kDescHi),
+                             k > 0 ? 1 : 0);
+  }
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
 // Accumulator words [W0, W1) may be read once at most PENDING commit groups are in flight.
 template <int PENDING, int W0, int W1, int ACC_WORDS>
 __device__ __forceinline__ void tma_mma_wait(unsigned (&acc)[ACC_WORDS]) {
@@ -240,7 +267,8 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   const int len = sched[2];
   if ((int)threadIdx.x >= WGS * 128) {
     const TmaTileCopy<DIM, BLOCK> copy{&kv_map, kv, base, base + L::kScales, KvPolicy::make(kv_evict_first != 0)};
-    ring_produce(meta, full0, empty0, STAGES, BLOCK, sched, copy, block_tables, bt_stride, seq_lens, sl_stride, batch,
+    ring_produce<EARLY == 2>(meta, full0, empty0, STAGES, BLOCK, sched, copy, block_tables, bt_stride, seq_lens,
+                             sl_stride, batch,
                  (threadIdx.x - WGS * 128) >> 5, PRODUCERS);
     return;
   }
@@ -341,7 +369,74 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     return m;
   };
 
-  if constexpr (EARLY) {
+  // EARLY 2, the lean loop: as EARLY 1, with the loop's state (tile, stage, phase) warp-
+  // uniform (from broadcast values, so ptxas keeps it in uniform registers) and every
+  // per-tile address one add away from a per-thread, per-stage or per-request base: a
+  // tile costs the wait, the MMA, the epilogue and a few adds.
+  auto lean_loop = [&] {
+    const int wgu = __shfl_sync(0xffffffffu, wg, 0), lenu = __shfl_sync(0xffffffffu, len, 0);
+    if (wgu < lenu && pf_b >= 0) switch_to(pf_b);
+    using Sums = TileSums<NEXT_N, HEADS, OutT, EpiT, AccT>;
+    LaneRows<Sums, OutT> rows_out(warp, g, tig);
+    if (q_b >= 0) rows_out.point(out, out_stride, q_b, tig);
+    const float* sc_lane = reinterpret_cast<const float*>(smem + L::kScales) + warp * 16 + g;
+    const unsigned a_lo0 = P::desc_lo(base);
+    // Descriptors are kept as their low words (the high word is a constant): fewer live
+    // registers at N = 128, where the loop state would otherwise spill.
+    auto q_desc = [&] { return P::desc_lo(__shfl_sync(0xffffffffu, qaddr0 + cur * (N * DIM), 0)); };
+    unsigned db = q_desc();
+    auto mma = [&](unsigned (&into)[ACC_WORDS], unsigned da) {
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      tma_mma_lo<N, DIM, F16ACC>(into, da, db);
+    };
+    auto epilogue = [&](unsigned (&acc)[ACC_WORDS], int s, int4 m) {
+      const float sc0 = sc_lane[s * kTile], sc1 = sc_lane[s * kTile + 8];
+      Sums sums;
+      tma_mma_wait<0, 0, ACC_WORDS>(acc);
+      release_stage(empty0 + 8 * s);
+      if constexpr (WREG) {
+        sums.template add<0, N / 8>(acc, wreg, tig);
+      } else {
+        const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) +
+                            (wg * QBUF + cur) * LaneWeights<N>::kFloats + tig * LaneWeights<N>::kStride;
+        sums.template add<0, N / 8>(acc, LaneWeights<N>{reinterpret_cast<const float4*>(wbuf)}, tig);
+      }
+      typename Sums::Item res[Sums::M];
+      sums.reduce(sc0, sc1, tig, res);
+      rows_out.put(res, m.y, m.z, tig);
+    };
+    // The ring position c counts tiles modulo two laps (stage c % STAGES, parity c / STAGES):
+    // one register for both, and the loop counted down (one for the tile index and bound).
+    int c = wgu;
+    for (int left = (lenu - wgu + WGS - 1) / WGS; left > 0; --left, c = c + WGS >= 2 * STAGES ? c + WGS - 2 * STAGES : c + WGS) {
+      const int s = c >= STAGES ? c - STAGES : c;
+      const unsigned da = a_lo0 + s * (L::kVals >> 4);
+      mbar_wait(full0 + 8 * s, c >= STAGES ? 1 : 0);
+      unsigned acc[ACC_WORDS];
+      mma(acc, da);
+      int4 m = meta[s];
+      m.x = __shfl_sync(0xffffffffu, m.x, 0);
+      if (m.x != q_b) {  // another request, or padding: drain, switch, redo in this branch
+        tma_mma_wait<0, 0, ACC_WORDS>(acc);
+        if (m.x >= batch) {
+          release_stage(empty0 + 8 * s);
+          continue;
+        }
+        switch_to(m.x);
+        db = q_desc();
+        rows_out.point(out, out_stride, q_b, tig);
+        unsigned again[ACC_WORDS];
+        mma(again, da);
+        epilogue(again, s, m);
+        continue;
+      }
+      epilogue(acc, s, m);
+    }
+  };
+
+  if constexpr (EARLY == 2) {
+    lean_loop();
+  } else if constexpr (EARLY) {
     // Between a stage landing and its MMA only the wait: the stage's descriptor is built
     // before the wait (it depends on the stage index only), Q's once per request, and the
     // MMA goes out on the current request's Q before the tile's request is read. A tile of

@@ -250,44 +250,76 @@ struct TileSums {
   // lane ends with whole sums (item 2t + r in lane (2t + r) % 4) and stores at most two:
   // 1-2 stores a lane instead of one predicated store per item, and a lane's items all
   // lie in row r = tig & 1 of its pair (one scale, one position).
-  __device__ __forceinline__ void store(float sc0, float sc1, int b, int tile, int rows, OutT* __restrict__ out,
-                                        long long out_stride, int warp, int g, int tig) const {
-    constexpr int V = 2 * NEXT_N;
-    const int pos = tile * kTile + warp * 16 + g + 8 * (tig & 1);
+  static constexpr int V = 2 * NEXT_N;
+  static constexpr int M = (V + 2) / 4;  // items a lane holds after the reduction
+  using Item = typename conditional<F16EPI, unsigned, float>::type;  // f16 bits or f32
+  // The lane's m-th reduced item (quad_reduce_scatter's order): item 2t + r is row t, row r.
+  static __device__ __forceinline__ int item(int m, int tig) { return m < V / 4 ? 4 * m + tig : V - 2 + (tig & 1); }
+  // Whether the lane stores its m-th item (the shared tail item: lanes 0-1 write it).
+  static __device__ __forceinline__ bool stores(int m, int tig) { return !(m == V / 4 && (tig & 2)); }
+  static __device__ __forceinline__ void write(OutT* dst, Item value) {
+    if constexpr (F16OUT) {
+      if constexpr (F16EPI) reinterpret_cast<unsigned short*>(dst)[0] = (unsigned short)value;
+      else reinterpret_cast<unsigned short*>(dst)[0] = f2h(value);
+    } else if constexpr (BF16OUT) {  // rounded once from the epilogue's value
+      if constexpr (F16EPI) reinterpret_cast<unsigned short*>(dst)[0] = f2bf(h2f((unsigned short)value));
+      else reinterpret_cast<unsigned short*>(dst)[0] = f2bf(value);
+    } else {
+      if constexpr (F16EPI) *reinterpret_cast<float*>(dst) = h2f((unsigned short)value);
+      else *reinterpret_cast<float*>(dst) = value;
+    }
+  }
+  // The lane's items, scaled: res[m] (see item).
+  __device__ __forceinline__ void reduce(float sc0, float sc1, int tig, Item (&res)[M]) const {
     const float sc = (tig & 1) ? sc1 : sc0;
-    auto put = [&](int m, auto value) {  // the lane's m-th reduced item (see quad_reduce_scatter)
-      const int item = m < V / 4 ? 4 * m + tig : V - 2 + (tig & 1);
-      if (pos >= rows || (m == V / 4 && (tig & 2))) return;  // the shared tail: lanes 0-1 write it
-      OutT* dst = out + (long long)(b * NEXT_N + (item >> 1)) * out_stride + pos;
-      if constexpr (F16OUT) {
-        if constexpr (F16EPI) reinterpret_cast<unsigned short*>(dst)[0] = value;
-        else reinterpret_cast<unsigned short*>(dst)[0] = f2h(value);
-      } else if constexpr (BF16OUT) {  // rounded once from the epilogue's value
-        if constexpr (F16EPI) reinterpret_cast<unsigned short*>(dst)[0] = f2bf(h2f(value));
-        else reinterpret_cast<unsigned short*>(dst)[0] = f2bf(value);
-      } else {
-        if constexpr (F16EPI) *reinterpret_cast<float*>(dst) = h2f(value);
-        else *reinterpret_cast<float*>(dst) = value;
-      }
-    };
     if constexpr (F16EPI) {
-      unsigned v[V], res[(V + 2) / 4];
+      unsigned v[V], r[M];
 #pragma unroll
       for (int i = 0; i < V; ++i) v[i] = hsum2(hacc[i >> 1][i & 1]);
-      quad_reduce_scatter<V>(v, res, tig, [](unsigned x, unsigned y) {
+      quad_reduce_scatter<V>(v, r, tig, [](unsigned x, unsigned y) {
         return (unsigned)hadd((unsigned short)x, (unsigned short)y);
       });
       const unsigned short hsc = f2h(sc);
 #pragma unroll
-      for (int m = 0; m < (V + 2) / 4; ++m) put(m, hmul((unsigned short)res[m], hsc));
+      for (int m = 0; m < M; ++m) res[m] = hmul((unsigned short)r[m], hsc);
     } else {
-      float v[V], res[(V + 2) / 4];
+      float v[V], r[M];
 #pragma unroll
       for (int i = 0; i < V; ++i) v[i] = part[i >> 1][i & 1] + part_b[i >> 1][i & 1];
-      quad_reduce_scatter<V>(v, res, tig, [](float x, float y) { return x + y; });
+      quad_reduce_scatter<V>(v, r, tig, [](float x, float y) { return x + y; });
 #pragma unroll
-      for (int m = 0; m < (V + 2) / 4; ++m) put(m, res[m] * sc);
+      for (int m = 0; m < M; ++m) res[m] = r[m] * sc;
     }
+  }
+  __device__ __forceinline__ void store(float sc0, float sc1, int b, int tile, int rows, OutT* __restrict__ out,
+                                        long long out_stride, int warp, int g, int tig) const {
+    const int pos = tile * kTile + warp * 16 + g + 8 * (tig & 1);
+    Item res[M];
+    reduce(sc0, sc1, tig, res);
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+      if (pos < rows && stores(m, tig)) write(out + (long long)(b * NEXT_N + (item(m, tig) >> 1)) * out_stride + pos, res[m]);
+  }
+};
+
+// Where a lane's reduced items of one request go (TileSums::reduce's res[m]): each item's
+// output row at the lane's position in tile 0, set once per request, so a tile's store is
+// one add and one compare.
+template <typename Sums, typename OutT>
+struct LaneRows {
+  OutT* row[Sums::M];
+  int pos0;  // the lane's token row in a tile
+  __device__ __forceinline__ LaneRows(int warp, int g, int tig) : pos0(warp * 16 + g + 8 * (tig & 1)) {}
+  __device__ __forceinline__ void point(OutT* __restrict__ out, long long out_stride, int b, int tig) {
+#pragma unroll
+    for (int m = 0; m < Sums::M; ++m)
+      row[m] = out + (long long)(b * (Sums::V / 2) + (Sums::item(m, tig) >> 1)) * out_stride + pos0;
+  }
+  __device__ __forceinline__ void put(const typename Sums::Item (&res)[Sums::M], int tile, int rows, int tig) const {
+    const bool in = tile * kTile + pos0 < rows;
+#pragma unroll
+    for (int m = 0; m < Sums::M; ++m)
+      if (in && Sums::stores(m, tig)) Sums::write(row[m] + tile * kTile, res[m]);
   }
 };
 

@@ -22,6 +22,10 @@ template <typename A, typename B>
 struct same_type { static constexpr bool value = false; };
 template <typename A>
 struct same_type<A, A> { static constexpr bool value = true; };
+template <bool C, typename A, typename B>
+struct conditional { using type = A; };
+template <typename A, typename B>
+struct conditional<false, A, B> { using type = B; };
 
 // -- conversions and half2 arithmetic (raw PTX: no cuda_fp16.h) -------------------------
 __device__ __forceinline__ unsigned smem_u32(const void* ptr) {
