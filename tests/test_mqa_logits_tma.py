@@ -50,8 +50,8 @@ SHIPPED_N = sorted({nn * h for nn in (1, 2, 3, 4) for h in (32, 64)})
 @pytest.mark.parametrize("dim", TMA_DIMS)
 @pytest.mark.parametrize("n", [8, *SHIPPED_N, 256])
 def test_configs_fit(n, dim):
-    warpgroups, stages, producers, qbuf, early = tma_config(n, 0, dim)
-    assert early == 0  # opt-in only
+    warpgroups, stages, producers, qbuf, lean = tma_config(n, 0, dim)
+    assert lean == (dim < 128)  # where the lean loop measured faster
     assert stages % warpgroups == 0 and stages % producers == 0 and stages >= 2 * warpgroups
     assert tma_smem_bytes(n, dim, warpgroups, stages, qbuf) + STATIC_SMEM <= SMEM_LIMIT
     assert tma_regs(n) <= reg_cap(128 * warpgroups + 32 * producers)
@@ -72,19 +72,16 @@ def test_other_head_dims_compile_to_tma_and_wgmma(dim, block, tmp_path):
     _check_tma_cubin((2, 64, dim, block, f32, f32, f32, *tma_config(128, 0, dim)), tmp_path)
 
 
-# EARLY=1 and 2 (lean): no spills, and ptxas keeps the wgmma asynchronous (no C7518: the kernel makes
-# the first request current before its loop so no MMA is in flight across a join).
+# The lean loop: no spills, and ptxas keeps the wgmma asynchronous (no C7518: the kernel
+# makes the first request current before its loop so no MMA is in flight across a join).
 @pytest.mark.parametrize(
     "next_n,dim,config",
-    [(1, 32, TmaConfig(4, 32, 4, 2, 1)), (1, 64, TmaConfig(4, 16, 4, 2, 1)),
-     (1, 128, TmaConfig(3, 9, 3, 2, 1)), (2, 64, TmaConfig(4, 20, 4, 2, 1)),
-     (2, 128, TmaConfig(4, 8, 4, 2, 1)), (1, 128, TmaConfig(1, 3, 1, 1, 1)),
-     (1, 32, TmaConfig(4, 32, 4, 2, 2)), (2, 32, TmaConfig(4, 40, 4, 2, 2)),
-     (1, 64, TmaConfig(4, 16, 4, 2, 2)), (2, 64, TmaConfig(4, 20, 4, 2, 2)),
-     (1, 128, TmaConfig(3, 9, 3, 2, 2)), (2, 128, TmaConfig(4, 8, 4, 2, 2)),
-     (1, 128, TmaConfig(1, 3, 1, 1, 2))],
+    [(1, 32, TmaConfig(4, 32, 4, 2, 1)), (2, 32, TmaConfig(4, 40, 4, 2, 1)),
+     (1, 64, TmaConfig(4, 16, 4, 2, 1)), (2, 64, TmaConfig(4, 20, 4, 2, 1)),
+     (1, 128, TmaConfig(3, 9, 3, 2, 1)), (2, 128, TmaConfig(4, 8, 4, 2, 1)),
+     (1, 128, TmaConfig(1, 3, 1, 1, 1))],
 )  # fmt: skip
-def test_early_compiles_without_spills_or_serialized_wgmma(next_n, dim, config, tmp_path):
+def test_lean_compiles_without_spills_or_serialized_wgmma(next_n, dim, config, tmp_path):
     f32 = torch.float32
     params = (next_n, 64, dim, 64, f32, f32, f32, *config)
     _check_tma_cubin(params, tmp_path)
@@ -189,10 +186,10 @@ def test_small_calls_take_two_shallow_warpgroups():
     for n in (192, 256):  # measured no better
         assert tma_config(n, 1) == tma_config(n, 2) == tma_config(n)
     # Other head dims keep the bytes in flight: twice the stages at 64, half at 256; below
-    # 128 the other calls at n <= 64 take four warpgroups.
+    # 128 the other calls at n <= 64 take four warpgroups, and the lean loop.
     assert tma_config(64, 1, 64) == TmaConfig(2, 12, 2, 2)
-    assert tma_config(64, 0, 64) == TmaConfig(4, 16, 4, 2)
-    assert tma_config(64, 0, 32) == TmaConfig(4, 32, 4, 2)
+    assert tma_config(64, 0, 64) == TmaConfig(4, 16, 4, 2, 1)
+    assert tma_config(64, 0, 32) == TmaConfig(4, 32, 4, 2, 1)
     assert tma_config(64, 0, 256) == TmaConfig(3, 6, 3, 2)
 
 
@@ -239,15 +236,11 @@ TMA_VARIANTS = {
     "tma_2x4p2q1": TmaConfig(2, 4, 2, 1),  # two producer warps, one Q buffer
     "tma_3x6p3q1": TmaConfig(3, 6, 3, 1),  # three warpgroups, one Q buffer
     "tma_4x16p2": TmaConfig(4, 16, 2, 2),  # where next_n*heads fits 4 warpgroups
-    # early: the MMA on the current Q right after the wait, the request checked after
-    "tma_1x3q1e": TmaConfig(1, 3, 1, 1, 1),  # one Q buffer: every switch redoes a tile
-    "tma_2x4e": TmaConfig(2, 4, 2, 2, 1),
-    "tma_4x16p4e": TmaConfig(4, 16, 4, 2, 1),  # 4 warpgroups: next_n*heads <= 64 only
-    # lean (early=2): early's order with the loop's state uniform and per-tile addresses
-    # one add from per-request bases (the store row is re-pointed at every switch)
-    "tma_1x3q1l": TmaConfig(1, 3, 1, 1, 2),
-    "tma_2x4l": TmaConfig(2, 4, 2, 2, 2),
-    "tma_4x16p4l": TmaConfig(4, 16, 4, 2, 2),
+    # lean: the MMA on the current Q right after the wait, the request checked after (a
+    # switch redoes the tile and re-points the store rows)
+    "tma_1x3q1l": TmaConfig(1, 3, 1, 1, 1),  # one Q buffer: every switch redoes a tile
+    "tma_2x4l": TmaConfig(2, 4, 2, 2, 1),
+    "tma_4x16p4l": TmaConfig(4, 16, 4, 2, 1),  # 4 warpgroups: next_n*heads <= 64 only
 }
 
 
@@ -280,7 +273,7 @@ def _served_by_tma() -> bool:
     [(1, 64, 64), (2, 32, 32), (3, 64, 128), (4, 64, 64), (2, 4, 64), (1, 32, 128), (4, 32, 32)],
 )
 def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
-    four = (TMA_VARIANTS["tma_4x16p2"], TMA_VARIANTS["tma_4x16p4e"], TMA_VARIANTS["tma_4x16p4l"])
+    four = (TMA_VARIANTS["tma_4x16p2"], TMA_VARIANTS["tma_4x16p4l"])
     if tma_variant.config in four and next_n * heads > 64:
         pytest.skip("4 warpgroups fit next_n*heads <= 64 only")
     if tma_variant.config == TMA_VARIANTS["tma_3x6p3q1"] and next_n * heads > 192:
@@ -296,20 +289,9 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "tma_variant",
-    [
-        "auto",
-        "large",
-        "tma_1x3",
-        "tma_2x4p2q1",
-        "tma_4x16p2",
-        "tma_2x4e",
-        "tma_4x16p4e",
-        "tma_1x3q1l",
-        "tma_2x4l",
-        "tma_4x16p4l",
-    ],
+    ["auto", "large", "tma_1x3", "tma_2x4p2q1", "tma_4x16p2", "tma_1x3q1l", "tma_2x4l", "tma_4x16p4l"],
     indirect=True,
-)
+)  # fmt: skip
 @pytest.mark.parametrize(
     "dim,next_n,heads,block_size",
     [(64, 1, 64, 64), (64, 2, 32, 32), (32, 2, 64, 64), (32, 1, 32, 128), (256, 1, 64, 64),
@@ -319,7 +301,6 @@ def test_gpu_tma_other_head_dims(tma_variant, dim, next_n, heads, block_size):
     """Column panels in the 32/64-byte swizzles, and two 128-byte panels at head_dim 256."""
     four = tma_variant.config in (
         TMA_VARIANTS["tma_4x16p2"],
-        TMA_VARIANTS["tma_4x16p4e"],
         TMA_VARIANTS["tma_4x16p4l"],
     )
     if four and (next_n * heads > 64 or dim > 64):
@@ -343,16 +324,7 @@ def _one_cta_schedule(batch: int) -> torch.Tensor:
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "tma_variant",
-    [
-        "auto",
-        "large",
-        "tma_1x3",
-        "tma_2x4p2q1",
-        "tma_3x6p3q1",
-        "tma_2x4e",
-        "tma_1x3q1l",
-        "tma_2x4l",
-    ],
+    ["auto", "large", "tma_1x3", "tma_2x4p2q1", "tma_3x6p3q1", "tma_1x3q1l", "tma_2x4l"],
     indirect=True,
 )
 @pytest.mark.parametrize("next_n,heads,block_size", [(1, 64, 64), (2, 64, 32), (1, 32, 128)])

@@ -84,11 +84,10 @@ ROWS = [
     Row("blk32", 256, 1, 64, 8192, block=32),
     Row("blk128", 256, 1, 64, 8192, block=128),
 ]
-# --sweep: forced TMA configs (warpgroups, stages, producer warps, Q buffers[, early]) per
+# --sweep: forced TMA configs (warpgroups, stages, producer warps, Q buffers[, lean]) per
 # row; "l2_256": the dispatcher's config with the KV tensor map's L2 promotion at 256 bytes.
-# Every row also times "early": the dispatcher's own config with early=1 (the MMA issued
-# right after the stage lands, on the current request's Q; sm90_tma_wgmma.cuh EARLY) and
-# "lean" (early=2: that order with the loop's state uniform and per-tile addresses one add).
+# Every TMA row also times the dispatcher's config with the other consumer loop: "lean"
+# where the dispatcher takes the plain one, "plain" where it takes the lean one.
 SWEEPS: dict[str, list] = {
     "d64": [TmaConfig(3, 18, 3, 2, 1)],
     "d32": [TmaConfig(3, 36, 3, 2, 1)],
@@ -267,14 +266,18 @@ def run_row(row: Row, dg, reps: int, sweep: bool, probes: bool, gen: torch.Gener
     if dg is not None and deepgemm_supports(row):
         sides["deepgemm"] = lambda s: theirs(dg, s)
     if sweep and row.head_dim_fits_tma():
-        sides["early"] = lambda s: ours(s, dispatcher_config(row, s)._replace(early=1))
-        sides["lean"] = lambda s: ours(s, dispatcher_config(row, s)._replace(early=2))
+        # the dispatcher's config with the other consumer loop (sm90_tma_wgmma.cuh, LEAN)
+        def flipped(s: dict) -> Callable[[], torch.Tensor]:
+            config = dispatcher_config(row, s)
+            return ours(s, config._replace(lean=1 - config.lean))
+
+        sides["plain" if dispatcher_config(row, sets[0]).lean else "lean"] = flipped
     for config in SWEEPS.get(row.name, []) if sweep else []:
         if config == "l2_256":
             sides[config] = lambda s: ours(s, promotion=256)
             continue
         name = f"tma{config.warpgroups}x{config.stages}p{config.producers}q{config.qbuf}"
-        name += "e" if config.early else ""
+        name += "l" if config.lean else ""
         sides[name] = lambda s, c=config: ours(s, c)
     for n in (1, 2, 3) if probes and row.head_dim_fits_tma() else ():
         sides[f"probe{n}"] = lambda s, n=n: ours(

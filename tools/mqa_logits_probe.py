@@ -29,8 +29,8 @@ from jit_kernels import KernelBuilder, KernelFamily, LoadedKernel
 TMA_TEMPLATE = "mqa_logits/sm90_tma_wgmma.cuh"
 PROBE_PATCHES = [
     (
-        "          int PRODUCERS, int QBUF, int EARLY>\n__global__",
-        "          int PRODUCERS, int QBUF, int EARLY, int PROBE>\n__global__",
+        "          int PRODUCERS, int QBUF, int LEAN>\n__global__",
+        "          int PRODUCERS, int QBUF, int LEAN, int PROBE>\n__global__",
     ),
     (
         "  if (wg < len) {  // the first tile's Q",

@@ -46,7 +46,10 @@ __device__ __forceinline__ unsigned long long fij_clk() {
 # (anchor, replacement) pairs applied to mqa_logits/sm90_tma_wgmma.cuh. Slots: 0 start, 1 clock at
 # start, 2 after the wait, 3 after the schedule, 4 tiles, 5 SM, 8 + wg end, 12 + wg clock.
 PATCHES = [
-    ('#include "mqa_logits/ring.cuh"\n', '#include "mqa_logits/ring.cuh"\n' + HEADER),
+    (
+        '#include "mqa_logits/sm90_tma_parts.cuh"\n',
+        '#include "mqa_logits/sm90_tma_parts.cuh"\n' + HEADER,
+    ),
     (
         "  fij::grid_dependency_wait();",
         "  if (threadIdx.x == 0) { FIJ_TRACE(0, fij_ns()); FIJ_TRACE(1, fij_clk()); }\n"

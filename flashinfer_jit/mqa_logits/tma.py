@@ -39,7 +39,7 @@ tma_family = kernel_family(
         "stages",
         "producers",
         "qbuf",
-        "early",
+        "lean",
     ),
     (*LOGITS_ARGS, TENSOR_MAP),  # + the KV pool's tensor map
     archs=("sm_90a",),
@@ -55,12 +55,12 @@ class TmaConfig(NamedTuple):
     stages: int  # ring stages
     producers: int  # producer warps
     qbuf: int  # Q buffers per warpgroup (2: the next request's Q is prefetched)
-    # 1: a tile's MMA is issued right after its stage lands, on the current request's Q,
-    # its descriptors built before the wait and its request checked after (a switch drains
-    # and reissues). 2 (lean): that order with the loop's state warp-uniform and every
-    # per-tile address one add from a per-thread or per-request base. Opt-in, for timing
-    # (sm90_tma_wgmma.cuh, EARLY).
-    early: int = 0
+    # 1: the lean consumer loop (sm90_tma_wgmma.cuh, LEAN): a tile's MMA is issued right
+    # after its stage lands, on the current request's Q, its request checked after (a
+    # switch drains and reissues), the loop's state warp-uniform and every per-tile address
+    # one add from a per-thread or per-request base; the producers issue from an elected
+    # lane. tma_config picks it where it measured faster.
+    lean: int = 0
 
 
 def tma_regs(n: int) -> int:
@@ -156,9 +156,25 @@ def tma_config(n: int, small: int = 0, dim: int = 128) -> TmaConfig:
       buffers (prefetch) while that leaves at least 2 ring stages per warpgroup, else one
       (n=128: 83.7 against 88.0 us with one buffer at B=256, next_n=2, round 3); at most
       RING_STAGES stages. n=128: 4 warpgroups x 8 stages; n=192: 3 x 9.
+    - The lean consumer loop (``lean``) for calls that are not small below head_dim 128,
+      where it measured faster (docs/perf-log/mqa_logits.md, round 13; per call in a
+      graph, same run): head_dim 32 B=256 L=8192 34.2-35.1 us against 37.4 (next_n=2:
+      47.9-48.8 against 50.3), head_dim 64 next_n=2 57.0 against 59.3. At n=128, head_dim
+      128 it was slower (B=256 next_n=2 75.8 against 73.0, B=64 L=65536 144.7 against
+      138.3). At n=192 (next_n=3 H=64 B=128 L=16384) it was faster, 95.3 against 99.4, but
+      ptxas spills its loop counter there: left for a version that fits.
     """
     if (small and n <= 64) or (small >= 2 and n == 128):
         return _deeper(SMALL_CONFIG, n, dim)
+    return _lean(_sized(n, dim), small, n, dim)
+
+
+def _lean(config: TmaConfig, small: int, n: int, dim: int) -> TmaConfig:
+    return config._replace(lean=1) if not small and dim < 128 else config
+
+
+def _sized(n: int, dim: int) -> TmaConfig:
+    """tma_config's choice for calls that are not small, before the loop's."""
     if n <= 64:
         return _deeper(NARROW_CONFIG if dim >= 128 else SHORT_ROW_CONFIG, n, dim)
     for warpgroups in (4, 3, 2, 1):
