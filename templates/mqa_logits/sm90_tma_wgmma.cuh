@@ -70,14 +70,11 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   if ((int)threadIdx.x >= WGS * 128) {
     const TmaTileCopy<DIM, BLOCK> copy{&kv_map, kv, base, base + L::kScales, KvPolicy::make(kv_evict_first != 0)};
     ring_produce<LEAN != 0>(meta, full0, empty0, STAGES, BLOCK, sched, copy, block_tables, bt_stride, seq_lens,
-                             sl_stride, batch,
-                 (threadIdx.x - WGS * 128) >> 5, PRODUCERS);
+                            sl_stride, batch, (threadIdx.x - WGS * 128) >> 5, PRODUCERS);
     return;
   }
 
   // ---- consumer warpgroups: tile i of the run goes to warpgroup i % WGS -----------------
-  // Broadcast from lane 0: ptxas then knows wg (and what derives from it: the tile loop,
-  // the stage index) is warp-uniform and keeps it in uniform registers.
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
   const unsigned bar_id = 1 + wg;
