@@ -158,11 +158,13 @@ def tma_config(n: int, small: int = 0, dim: int = 128) -> TmaConfig:
       RING_STAGES stages. n=128: 4 warpgroups x 8 stages; n=192: 3 x 9.
     - The lean consumer loop (``lean``) for calls that are not small below head_dim 128,
       where it measured faster (docs/perf-log/mqa_logits.md, round 13; per call in a
-      graph, same run): head_dim 32 B=256 L=8192 34.2-35.1 us against 37.4 (next_n=2:
-      47.9-48.8 against 50.3), head_dim 64 next_n=2 57.0 against 59.3. At n=128, head_dim
-      128 it was slower (B=256 next_n=2 75.8 against 73.0, B=64 L=65536 144.7 against
-      138.3). At n=192 (next_n=3 H=64 B=128 L=16384) it was faster, 95.3 against 99.4, but
-      ptxas spills its loop counter there: left for a version that fits.
+      graph, lean against plain in the same run, two runs): head_dim 32 B=256 L=8192 35.1 /
+      35.3 us against 37.4 / 37.5 (next_n=2: 48.8 / 48.5 against 50.3 / 51.3), head_dim 64
+      41.3 / 40.1 against 41.4 / 42.6 (next_n=2: 57.0 / 57.8 against 59.3 / 61.9). At
+      n=128, head_dim 128 it was slower (B=256 next_n=2 75.8 / 77.6 against 73.0 / 74.7,
+      B=64 L=65536 144.7 / 150.2 against 138.3 / 140.5). At n=192 (next_n=3 H=64 B=128
+      L=16384) it was faster, 95.3 / 98.7 against 99.4 / 103.6, but ptxas spills its loop
+      counter there: left for a version that fits.
     """
     if (small and n <= 64) or (small >= 2 and n == 128):
         return _deeper(SMALL_CONFIG, n, dim)
