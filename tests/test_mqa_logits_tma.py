@@ -50,7 +50,7 @@ SHIPPED_N = sorted({nn * h for nn in (1, 2, 3, 4) for h in (32, 64)})
 @pytest.mark.parametrize("dim", TMA_DIMS)
 @pytest.mark.parametrize("n", [8, *SHIPPED_N, 256])
 def test_configs_fit(n, dim):
-    warpgroups, stages, producers, qbuf, lean = tma_config(n, 0, dim)
+    warpgroups, stages, producers, qbuf, lean, pair = tma_config(n, 0, dim)
     assert lean == (dim < 128)  # where the lean loop measured faster
     assert stages % warpgroups == 0 and stages % producers == 0 and stages >= 2 * warpgroups
     assert tma_smem_bytes(n, dim, warpgroups, stages, qbuf) + STATIC_SMEM <= SMEM_LIMIT
@@ -79,7 +79,10 @@ def test_other_head_dims_compile_to_tma_and_wgmma(dim, block, tmp_path):
     [(1, 32, TmaConfig(4, 32, 4, 2, 1)), (2, 32, TmaConfig(4, 40, 4, 2, 1)),
      (1, 64, TmaConfig(4, 16, 4, 2, 1)), (2, 64, TmaConfig(4, 20, 4, 2, 1)),
      (1, 128, TmaConfig(3, 9, 3, 2, 1)), (2, 128, TmaConfig(4, 8, 4, 2, 1)),
-     (1, 128, TmaConfig(1, 3, 1, 1, 1))],
+     (1, 128, TmaConfig(1, 3, 1, 1, 1)),
+     # paired tiles (two accumulator sets: three warpgroups at most at next_n*heads = 64)
+     (1, 32, TmaConfig(3, 36, 3, 2, 1, 1)), (1, 64, TmaConfig(3, 18, 3, 2, 1, 1)),
+     (1, 128, TmaConfig(3, 12, 3, 2, 1, 1)), (1, 128, TmaConfig(2, 8, 2, 2, 1, 1))],
 )  # fmt: skip
 def test_lean_compiles_without_spills_or_serialized_wgmma(next_n, dim, config, tmp_path):
     f32 = torch.float32
@@ -241,6 +244,11 @@ TMA_VARIANTS = {
     "tma_1x3q1l": TmaConfig(1, 3, 1, 1, 1),  # one Q buffer: every switch redoes a tile
     "tma_2x4l": TmaConfig(2, 4, 2, 2, 1),
     "tma_4x16p4l": TmaConfig(4, 16, 4, 2, 1),  # 4 warpgroups: next_n*heads <= 64 only
+    # paired tiles: a pair straddling two requests, padding or a run's odd last tile takes
+    # the drain-and-redo path
+    "tma_1x2q1lp": TmaConfig(1, 2, 1, 1, 1, 1),  # one pair in the ring, one Q buffer
+    "tma_2x4lp": TmaConfig(2, 4, 2, 2, 1, 1),
+    "tma_3x12lp": TmaConfig(3, 12, 3, 2, 1, 1),
 }
 
 
@@ -262,6 +270,14 @@ def tma_variant(request, monkeypatch) -> MqaLogitsOptions:
     return options
 
 
+def _skip_unfit_pair(config: TmaConfig | None, n: int) -> None:
+    """Paired tiles hold two accumulator sets (n/2 f32 each): run them where both fit the
+    block's register cap with ~32 to spare."""
+    if config is not None and config.pair:
+        if n + 32 > reg_cap(tma_threads(config.warpgroups, config.producers)):
+            pytest.skip(f"two accumulator sets of next_n*heads={n} do not fit {config}")
+
+
 def _served_by_tma() -> bool:
     return any("mqa_logits_tma" in p.kernel.name for p in mq_plan._plans.values())
 
@@ -278,6 +294,7 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
         pytest.skip("4 warpgroups fit next_n*heads <= 64 only")
     if tma_variant.config == TMA_VARIANTS["tma_3x6p3q1"] and next_n * heads > 192:
         pytest.skip("3 warpgroups fit next_n*heads <= 192 only")
+    _skip_unfit_pair(tma_variant.config, next_n * heads)
     lens = EDGE_LENS + [next_n - 1, 1000, 64 * 7, 3 * block_size]
     run_and_check(
         lens, device="cuda", next_n=next_n, heads=heads, block_size=block_size, seed=17 + next_n,
@@ -289,7 +306,8 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "tma_variant",
-    ["auto", "large", "tma_1x3", "tma_2x4p2q1", "tma_4x16p2", "tma_1x3q1l", "tma_2x4l", "tma_4x16p4l"],
+    ["auto", "large", "tma_1x3", "tma_2x4p2q1", "tma_4x16p2", "tma_1x3q1l", "tma_2x4l", "tma_4x16p4l",
+     "tma_2x4lp", "tma_3x12lp"],
     indirect=True,
 )  # fmt: skip
 @pytest.mark.parametrize(
@@ -305,6 +323,7 @@ def test_gpu_tma_other_head_dims(tma_variant, dim, next_n, heads, block_size):
     )
     if four and (next_n * heads > 64 or dim > 64):
         pytest.skip("4 warpgroups x 16 stages fit next_n*heads <= 64 at head_dim <= 64 only")
+    _skip_unfit_pair(tma_variant.config, next_n * heads)
     lens = EDGE_LENS + [next_n - 1, 1000, 64 * 7, 3 * block_size]
     run_and_check(
         lens, device="cuda", next_n=next_n, heads=heads, dim=dim, block_size=block_size, seed=dim,

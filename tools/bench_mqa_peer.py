@@ -88,12 +88,21 @@ ROWS = [
 # row; "l2_256": the dispatcher's config with the KV tensor map's L2 promotion at 256 bytes.
 # Every TMA row also times the dispatcher's config with the other consumer loop: "lean"
 # where the dispatcher takes the plain one, "plain" where it takes the lean one.
+# TmaConfig(..., lean, 1): paired tiles ("-pair").
+PAIR3, PAIR2 = TmaConfig(3, 12, 3, 2, 1, 1), TmaConfig(2, 8, 2, 2, 1, 1)
 SWEEPS: dict[str, list] = {
-    "d64": [TmaConfig(3, 18, 3, 2, 1)],
-    "d32": [TmaConfig(3, 36, 3, 2, 1)],
+    "b256": [PAIR3, TmaConfig(3, 6, 3, 2, 1, 1), PAIR2],
+    "b64L64k": [PAIR3, PAIR2],
+    "b256h32": [PAIR3, TmaConfig(4, 16, 4, 2, 1, 1), TmaConfig(4, 8, 4, 2, 1)],
+    "d64": [TmaConfig(3, 18, 3, 2, 1), TmaConfig(3, 18, 3, 2, 1, 1), TmaConfig(2, 12, 2, 2, 1, 1)],
+    "d32": [TmaConfig(3, 36, 3, 2, 1), TmaConfig(3, 36, 3, 2, 1, 1), TmaConfig(2, 24, 2, 2, 1, 1)],
     "d64n2": [TmaConfig(4, 12, 4, 1, 1), TmaConfig(4, 16, 4, 2, 1)],
     "d32n2": [TmaConfig(4, 16, 4, 2, 1)],
-    "skew32": [TmaConfig(3, 9, 3, 2, 1)],
+    "d256": [TmaConfig(2, 4, 2, 2, 1, 1)],
+    "skew32": [TmaConfig(3, 9, 3, 2, 1), PAIR3],
+    "b1024": [PAIR3],
+    "blk32": [PAIR3],
+    "blk128": [PAIR3],
 }  # fmt: skip
 
 
@@ -277,7 +286,7 @@ def run_row(row: Row, dg, reps: int, sweep: bool, probes: bool, gen: torch.Gener
             sides[config] = lambda s: ours(s, promotion=256)
             continue
         name = f"tma{config.warpgroups}x{config.stages}p{config.producers}q{config.qbuf}"
-        name += "l" if config.lean else ""
+        name += ("l" if config.lean else "") + ("-pair" if config.pair else "")
         sides[name] = lambda s, c=config: ours(s, c)
     for n in (1, 2, 3) if probes and row.head_dim_fits_tma() else ():
         sides[f"probe{n}"] = lambda s, n=n: ours(

@@ -85,7 +85,9 @@ def _tma_plan(
     config = forced if isinstance(forced, TmaConfig) else tma_config(n, small, dim)
     if config.stages == 0:
         config = config._replace(
-            stages=tma_stages(n, dim, config.warpgroups, config.producers, config.qbuf)
+            stages=tma_stages(
+                n, dim, config.warpgroups, config.producers, config.qbuf, pair=config.pair
+            )
         )
         if config.stages < config.warpgroups:
             raise KernelUnavailable(f"forced TMA config {forced}: no ring stage fits")

@@ -40,6 +40,7 @@ tma_family = kernel_family(
         "producers",
         "qbuf",
         "lean",
+        "pair",
     ),
     (*LOGITS_ARGS, TENSOR_MAP),  # + the KV pool's tensor map
     archs=("sm_90a",),
@@ -61,6 +62,10 @@ class TmaConfig(NamedTuple):
     # one add from a per-thread or per-request base; the producers issue from an elected
     # lane. tma_config picks it where it measured faster.
     lean: int = 0
+    # 1 (with lean): a warpgroup takes tiles in pairs, both MMAs in flight, the first's
+    # epilogue under the second's MMA; stages a multiple of twice the warpgroups and of
+    # twice the producer warps.
+    pair: int = 0
 
 
 def tma_regs(n: int) -> int:
@@ -88,14 +93,26 @@ def tma_smem_bytes(n: int, dim: int, warpgroups: int, stages: int, qbuf: int) ->
     return stages * _stage_bytes(dim) + warpgroups * qbuf * per_buffer + 1024
 
 
+def stage_unit(warpgroups: int, producers: int, pair: int = 0) -> int:
+    """Ring stages come in multiples of this: whole rounds of the warpgroups and of the
+    producer warps (of their pairs of tiles with ``pair``)."""
+    return math.lcm(warpgroups, producers) * (2 if pair else 1)
+
+
 def tma_stages(
-    n: int, dim: int, warpgroups: int, producers: int, qbuf: int, cap: int = TMA_MAX_STAGES
+    n: int,
+    dim: int,
+    warpgroups: int,
+    producers: int,
+    qbuf: int,
+    cap: int = TMA_MAX_STAGES,
+    pair: int = 0,
 ) -> int:
-    """The most stages, at most ``cap`` (a multiple of the warpgroups and of the producer
-    warps), that fit beside the Q buffers."""
+    """The most stages, at most ``cap`` (a multiple of stage_unit), that fit beside the Q
+    buffers."""
     free = SMEM_LIMIT - STATIC_SMEM - tma_smem_bytes(n, dim, warpgroups, 0, qbuf)
     stages = max(0, min(cap, free // _stage_bytes(dim)))
-    unit = math.lcm(warpgroups, producers)
+    unit = stage_unit(warpgroups, producers, pair)
     return stages // unit * unit
 
 
@@ -125,10 +142,10 @@ SHORT_ROW_CONFIG = TmaConfig(4, 8, 4, 2)  # the other calls at n <= 64, head_dim
 def _deeper(config: TmaConfig, n: int, dim: int) -> TmaConfig:
     """``config`` (a depth measured at head_dim 128) with as many stages as keep the same
     bytes in flight at head_dim ``dim``, within what fits."""
-    unit = math.lcm(config.warpgroups, config.producers)
+    unit = stage_unit(config.warpgroups, config.producers, config.pair)
     least = -(-2 * config.warpgroups // unit) * unit  # two stages a warpgroup
     want = max(least, config.stages * 128 // dim // unit * unit)
-    fit = tma_stages(n, dim, config.warpgroups, config.producers, config.qbuf, want)
+    fit = tma_stages(n, dim, config.warpgroups, config.producers, config.qbuf, want, config.pair)
     return config._replace(stages=fit)
 
 

@@ -176,8 +176,9 @@ struct TileCursor {
 // and runtime values in the generic one.
 // LEAN: the warp's tile counter and stage warp-uniform (broadcast producer index and count)
 // and the copies issued by an elected lane, so ptxas issues them from uniform registers
-// without a loop over the lanes' values.
-template <bool LEAN = false, typename Copy>
+// without a loop over the lanes' values. PAIR: the tiles go out in pairs, warp p taking
+// tiles 2p, 2p + 1, 2p + 2 producers, ... (the TMA kernel's paired consumer loop).
+template <bool LEAN = false, bool PAIR = false, typename Copy>
 __device__ __forceinline__ void ring_produce(int4* meta, unsigned full0, unsigned empty0, int stages, int block,
                                              const int* sched, const Copy& copy,
                                              const int* __restrict__ block_tables, long long bt_stride,
@@ -188,9 +189,13 @@ __device__ __forceinline__ void ring_produce(int4* meta, unsigned full0, unsigne
   if constexpr (LEAN) producer = __shfl_sync(0xffffffffu, producer, 0);
   TileCursor cur{sched[0], sched[1], 0};
   cur.seq = cur.b < batch ? max(0, seq_lens[cur.b * sl_stride]) : 0;
-  cur.advance(producer + lane * producers, seq_lens, sl_stride, batch);
+  // The warp's o-th tile is producer + o producers on, or paired 2 producer + (o / 2) 2
+  // producers + o % 2 (either way 32 tiles on is 32 producers on).
+  cur.advance(PAIR ? 2 * producer + (lane >> 1) * 2 * producers + (lane & 1) : producer + lane * producers, seq_lens,
+              sl_stride, batch);
   TileWhere now = cur.where(block, block_tables, bt_stride, batch), next = now;
-  for (int o = 0, i = producer; i < len; ++o, i += producers) {
+  for (int o = 0, i = PAIR ? 2 * producer : producer; i < len;
+       ++o, i += PAIR ? ((o & 1) ? 1 : 2 * producers - 1) : producers) {
     const int j = o & 31;
     if (j == 0 && o > 0) now = next;  // a new batch: its entries arrived meanwhile
     if (j == 1) {  // fetch the next batch's entries (a last batch of one tile needs none)

@@ -29,7 +29,7 @@
 namespace fij_mqa {
 
 template <int NEXT_N, int HEADS, int DIM, int BLOCK, typename OutT, typename EpiT, typename AccT, int WGS, int STAGES,
-          int PRODUCERS, int QBUF, int LEAN>
+          int PRODUCERS, int QBUF, int LEAN, int PAIR>
 __global__ void __maxnreg__(reg_cap(WGS * 128 + 32 * PRODUCERS))
 paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS, DIM] e4m3, contiguous
                      const unsigned char* __restrict__ kv,      // [num_blocks, BLOCK * (DIM + 4)] fused pool
@@ -50,6 +50,8 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   static_assert(BLOCK == 32 || BLOCK == 64 || BLOCK == 128, "block size");
   static_assert(STAGES >= 1 && STAGES % WGS == 0 && STAGES % PRODUCERS == 0,
                 "ring stages must be a multiple of the consumer warpgroups and of the producer warps");
+  static_assert(!PAIR || (LEAN && STAGES % (2 * WGS) == 0 && STAGES % (2 * PRODUCERS) == 0),
+                "paired tiles: the lean loop, and whole pairs of stages per warpgroup and per producer");
 
   extern __shared__ unsigned char smem_raw[];
   __shared__ int red[32];
@@ -69,13 +71,15 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   const int len = sched[2];
   if ((int)threadIdx.x >= WGS * 128) {
     const TmaTileCopy<DIM, BLOCK> copy{&kv_map, kv, base, base + L::kScales, KvPolicy::make(kv_evict_first != 0)};
-    ring_produce<LEAN != 0>(meta, full0, empty0, STAGES, BLOCK, sched, copy, block_tables, bt_stride, seq_lens,
+    ring_produce<LEAN != 0, PAIR != 0>(meta, full0, empty0, STAGES, BLOCK, sched, copy, block_tables, bt_stride, seq_lens,
                             sl_stride, batch, (threadIdx.x - WGS * 128) >> 5, PRODUCERS);
     return;
   }
 
-  // ---- consumer warpgroups: tile i of the run goes to warpgroup i % WGS -----------------
+  // ---- consumer warpgroups: tile i of the run goes to warpgroup i % WGS ---------------
+  // (PAIR: tiles 2j and 2j + 1 to warpgroup j % WGS)
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  constexpr int T = PAIR ? 2 : 1;  // tiles a warpgroup takes at a time
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
   const unsigned bar_id = 1 + wg;
   constexpr int kWBytes = LaneWeights<N>::kFloats * 4;  // one weight buffer
@@ -120,8 +124,8 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     if (pf_b >= 0) issue_q<N, DIM>(q, weights, pf_b, qaddr0 + (cur ^ 1) * (N * DIM), waddr0 + (cur ^ 1) * kWBytes, tid);
   };
 
-  if (wg < len) {  // the first tile's Q loads while its KV streams in
-    int b = sched[0], t = sched[1] + wg;
+  if (T * wg < len) {  // the first tile's Q loads while its KV streams in
+    int b = sched[0], t = sched[1] + T * wg;
     int seq = b < batch ? max(0, seq_lens[b * sl_stride]) : 0;
     skip_empty(b, t, seq, seq_lens, sl_stride, batch);
     if (b < batch) {
@@ -179,7 +183,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   // the epilogue and a few adds (d32: ~126 instructions a warp a tile against 157).
   auto lean_loop = [&] {
     const int wgu = __shfl_sync(0xffffffffu, wg, 0), lenu = __shfl_sync(0xffffffffu, len, 0);
-    if (wgu < lenu && pf_b >= 0) switch_to(pf_b);
+    if (T * wgu < lenu && pf_b >= 0) switch_to(pf_b);
     using Sums = TileSums<NEXT_N, HEADS, OutT, EpiT, AccT>;
     LaneRows<Sums, OutT> rows_out(warp, g, tig);
     if (q_b >= 0) rows_out.point(out, out_stride, q_b, tig);
@@ -193,10 +197,14 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
       tma_mma_lo<N, DIM, F16ACC>(into, da, db);
     };
-    auto epilogue = [&](unsigned (&acc)[ACC_WORDS], int s, int4 m) {
+    // The epilogue of the tile in stage s once its MMA is done; one_left: the MMA of the
+    // pair's second tile may still run (a runtime flag folded at each inlined call: NVRTC
+    // 13.0 crashed on a generic lambda taking it as a type, MQA round 12).
+    auto epilogue = [&](unsigned (&acc)[ACC_WORDS], int s, int4 m, bool one_left) {
       const float sc0 = sc_lane[s * kTile], sc1 = sc_lane[s * kTile + 8];
       Sums sums;
-      tma_mma_wait<0, 0, ACC_WORDS>(acc);
+      if (one_left) tma_mma_wait<1, 0, ACC_WORDS>(acc);
+      else tma_mma_wait<0, 0, ACC_WORDS>(acc);
       release_stage(empty0 + 8 * s);
       if constexpr (WREG) {
         sums.template add<0, N / 8>(acc, wreg, tig);
@@ -209,10 +217,25 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
       sums.reduce(sc0, sc1, tig, res);
       rows_out.put(res, m.y, m.z, tig);
     };
+    // A tile of a pair whose MMA is drained and did not run on the tile's request: padding
+    // is released; otherwise switch if needed and redo the MMA.
+    auto redo = [&](int s, int4 m) {
+      if (m.x >= batch) {
+        release_stage(empty0 + 8 * s);
+        return;
+      }
+      if (m.x != q_b) {
+        switch_to(m.x);
+        db = q_desc();
+        rows_out.point(out, out_stride, q_b, tig);
+      }
+      unsigned again[ACC_WORDS];
+      mma(again, a_lo0 + s * (L::kVals >> 4));
+      epilogue(again, s, m, false);
+    };
     // The ring position c counts tiles modulo two laps (stage c % STAGES, parity c / STAGES):
-    // one register for both, and the loop counted down (one for the tile index and bound).
-    int c = wgu;
-    for (int left = (lenu - wgu + WGS - 1) / WGS; left > 0; --left, c = c + WGS >= 2 * STAGES ? c + WGS - 2 * STAGES : c + WGS) {
+    // one register for both.
+    auto one = [&](int c) {
       const int s = c >= STAGES ? c - STAGES : c;
       const unsigned da = a_lo0 + s * (L::kVals >> 4);
       mbar_wait(full0 + 8 * s, c >= STAGES ? 1 : 0);
@@ -224,18 +247,54 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
         tma_mma_wait<0, 0, ACC_WORDS>(acc);
         if (m.x >= batch) {
           release_stage(empty0 + 8 * s);
-          continue;
+          return;
         }
         switch_to(m.x);
         db = q_desc();
         rows_out.point(out, out_stride, q_b, tig);
         unsigned again[ACC_WORDS];
         mma(again, da);
-        epilogue(again, s, m);
-        continue;
+        epilogue(again, s, m, false);
+        return;
       }
-      epilogue(acc, s, m);
+      epilogue(acc, s, m, false);
+    };
+    // PAIR: two tiles' MMAs in flight (two commit groups); the first one's epilogue runs
+    // while the second's MMA does. (c is even and STAGES a multiple of two: stages s and
+    // s + 1 of one lap.)
+    auto two = [&](int c) {
+      const int s = c >= STAGES ? c - STAGES : c;
+      const unsigned parity = c >= STAGES ? 1 : 0;
+      unsigned acc0[ACC_WORDS], acc1[ACC_WORDS];
+      mbar_wait(full0 + 8 * s, parity);
+      mma(acc0, a_lo0 + s * (L::kVals >> 4));
+      mbar_wait(full0 + 8 * (s + 1), parity);
+      mma(acc1, a_lo0 + (s + 1) * (L::kVals >> 4));
+      int4 m0 = meta[s], m1 = meta[s + 1];
+      m0.x = __shfl_sync(0xffffffffu, m0.x, 0);
+      m1.x = __shfl_sync(0xffffffffu, m1.x, 0);
+      if (m0.x != q_b || m1.x != q_b) {  // drain both, then each on its own
+        const int issued = q_b;
+        tma_mma_wait<0, 0, ACC_WORDS>(acc0);
+        tma_mma_wait<0, 0, ACC_WORDS>(acc1);
+        if (m0.x == issued) epilogue(acc0, s, m0, false);
+        else redo(s, m0);
+        if (m1.x == issued && q_b == issued) epilogue(acc1, s + 1, m1, false);
+        else redo(s + 1, m1);
+        return;
+      }
+      epilogue(acc0, s, m0, true);
+      epilogue(acc1, s + 1, m1, false);
+    };
+    // Steps of T tiles, counted down; with pairs the last step may hold one tile.
+    int c = T * wgu;
+    const int steps = (lenu - T * wgu + T * WGS - 1) / (T * WGS);
+    const bool tail = PAIR && steps > 0 && (lenu - T * wgu - 1) % (T * WGS) == 0;
+    for (int left = steps - tail; left > 0; --left, c = c + T * WGS >= 2 * STAGES ? c + T * WGS - 2 * STAGES : c + T * WGS) {
+      if constexpr (PAIR) two(c);
+      else one(c);
     }
+    if (tail) one(c);
   };
 
   if constexpr (LEAN) {
