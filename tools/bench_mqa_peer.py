@@ -88,21 +88,24 @@ ROWS = [
 # row; "l2_256": the dispatcher's config with the KV tensor map's L2 promotion at 256 bytes.
 # Every TMA row also times the dispatcher's config with the other consumer loop: "lean"
 # where the dispatcher takes the plain one, "plain" where it takes the lean one.
-# TmaConfig(..., lean, 1): paired tiles ("-pair").
-PAIR3, PAIR2 = TmaConfig(3, 12, 3, 2, 1, 1), TmaConfig(2, 8, 2, 2, 1, 1)
+# TmaConfig(..., lean, 1): paired tiles ("-pair"); TmaConfig(..., regs): setmaxnreg ("rN").
+# ("name", MqaLogitsOptions): other options (evict 2: the kernel picks the L2 policy).
+T = TmaConfig
+EVICT2 = ("evict2", MqaLogitsOptions(evict=2))
+SMALL_EVICT2 = ("small-evict2", MqaLogitsOptions(config=T(2, 6, 2, 2), evict=2))
 SWEEPS: dict[str, list] = {
-    "b256": [PAIR3, TmaConfig(3, 6, 3, 2, 1, 1), PAIR2],
-    "b64L64k": [PAIR3, PAIR2],
-    "b256h32": [PAIR3, TmaConfig(4, 16, 4, 2, 1, 1), TmaConfig(4, 8, 4, 2, 1)],
-    "d64": [TmaConfig(3, 18, 3, 2, 1), TmaConfig(3, 18, 3, 2, 1, 1), TmaConfig(2, 12, 2, 2, 1, 1)],
-    "d32": [TmaConfig(3, 36, 3, 2, 1), TmaConfig(3, 36, 3, 2, 1, 1), TmaConfig(2, 24, 2, 2, 1, 1)],
-    "d64n2": [TmaConfig(4, 12, 4, 1, 1), TmaConfig(4, 16, 4, 2, 1)],
-    "d32n2": [TmaConfig(4, 16, 4, 2, 1)],
-    "d256": [TmaConfig(2, 4, 2, 2, 1, 1)],
-    "skew32": [TmaConfig(3, 9, 3, 2, 1), PAIR3],
-    "b1024": [PAIR3],
-    "blk32": [PAIR3],
-    "blk128": [PAIR3],
+    "b32": [EVICT2],
+    "b256n2": [T(4, 8, 4, 2, 0, 0, 120), T(4, 8, 4, 2, 1, 0, 120)],
+    "b64L64kn2": [T(4, 8, 4, 2, 0, 0, 120), T(4, 8, 4, 2, 1, 0, 120)],
+    "b128n4h32": [T(4, 8, 4, 2, 0, 0, 120)],
+    "b128n3": [T(3, 12, 4, 1, 0, 0, 152), T(3, 12, 4, 1, 1, 0, 152)],
+    "d64": [T(3, 18, 3, 2, 1, 1), T(4, 16, 4, 2, 1, 1, 120)],
+    "d32": [T(3, 36, 3, 2, 1, 1), T(4, 32, 4, 2, 1, 1, 120)],
+    "d64n2": [T(4, 20, 4, 2, 1, 0, 120), T(4, 12, 4, 1, 1, 0, 120), T(4, 12, 4, 1, 1)],
+    "d32n2": [T(4, 40, 4, 2, 1, 0, 120), T(4, 16, 4, 2, 1, 0, 120), T(4, 16, 4, 2, 1)],
+    "skew32": [EVICT2, SMALL_EVICT2],
+    "skew128n2": [T(4, 8, 4, 2, 0, 0, 120), T(4, 8, 4, 2, 1, 0, 120)],
+    "b1024": [EVICT2],
 }  # fmt: skip
 
 
@@ -285,8 +288,12 @@ def run_row(row: Row, dg, reps: int, sweep: bool, probes: bool, gen: torch.Gener
         if config == "l2_256":
             sides[config] = lambda s: ours(s, promotion=256)
             continue
+        if isinstance(config, tuple):
+            sides[config[0]] = lambda s, o=config[1]: ours(s, options=o)
+            continue
         name = f"tma{config.warpgroups}x{config.stages}p{config.producers}q{config.qbuf}"
         name += ("l" if config.lean else "") + ("-pair" if config.pair else "")
+        name += f"r{config.regs}" if config.regs else ""
         sides[name] = lambda s, c=config: ours(s, c)
     for n in (1, 2, 3) if probes and row.head_dim_fits_tma() else ():
         sides[f"probe{n}"] = lambda s, n=n: ours(

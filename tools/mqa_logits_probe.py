@@ -29,12 +29,12 @@ from jit_kernels import KernelBuilder, KernelFamily, LoadedKernel
 TMA_TEMPLATE = "mqa_logits/sm90_tma_wgmma.cuh"
 PROBE_PATCHES = [
     (
-        "          int PRODUCERS, int QBUF, int LEAN>\n__global__",
-        "          int PRODUCERS, int QBUF, int LEAN, int PROBE>\n__global__",
+        "          int PRODUCERS, int QBUF, int LEAN, int PAIR, int REGS>\n__global__",
+        "          int PRODUCERS, int QBUF, int LEAN, int PAIR, int REGS, int PROBE>\n__global__",
     ),
     (
-        "  if (wg < len) {  // the first tile's Q",
-        "  if (PROBE != 1 && wg < len) {  // the first tile's Q",
+        "  if (T * wg < len) {  // the first tile's Q",
+        "  if (PROBE != 1 && T * wg < len) {  // the first tile's Q",
     ),
     (
         "    tma_mma_cols<N, 0, N, DIM, F16ACC>(acc, da, db);",

@@ -29,7 +29,7 @@
 namespace fij_mqa {
 
 template <int NEXT_N, int HEADS, int DIM, int BLOCK, typename OutT, typename EpiT, typename AccT, int WGS, int STAGES,
-          int PRODUCERS, int QBUF, int LEAN, int PAIR>
+          int PRODUCERS, int QBUF, int LEAN, int PAIR, int REGS>
 __global__ void __maxnreg__(reg_cap(WGS * 128 + 32 * PRODUCERS))
 paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS, DIM] e4m3, contiguous
                      const unsigned char* __restrict__ kv,      // [num_blocks, BLOCK * (DIM + 4)] fused pool
@@ -38,7 +38,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
                      const int* __restrict__ seq_lens, long long sl_stride,
                      const int* __restrict__ schedule,          // [gridDim.x + 1, 2] or nullptr
                      OutT* __restrict__ out, long long out_stride, int batch,
-                     int kv_evict_first,                        // the KV stream's L2 policy (KvPolicy)
+                     int kv_evict_first,                        // the KV stream's L2 policy (KvPolicy; 2: by len)
                      const __grid_constant__ TensorMap kv_map) {  // the pool's fp8 values, see above
   constexpr int N = NEXT_N * HEADS;
   constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
@@ -52,6 +52,11 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
                 "ring stages must be a multiple of the consumer warpgroups and of the producer warps");
   static_assert(!PAIR || (LEAN && STAGES % (2 * WGS) == 0 && STAGES % (2 * PRODUCERS) == 0),
                 "paired tiles: the lean loop, and whole pairs of stages per warpgroup and per producer");
+  // REGS: setmaxnreg gives each consumer thread REGS registers and the producer warpgroup
+  // (PRODUCERS == 4: whole) what is left of the SM's 64K.
+  constexpr int kProducerRegs = (65536 / 128 - WGS * REGS) / 8 * 8;
+  static_assert(REGS == 0 || (PRODUCERS == 4 && REGS % 8 == 0 && kProducerRegs >= 24 && REGS <= 248),
+                "setmaxnreg: four producer warps, and registers that fit");
 
   extern __shared__ unsigned char smem_raw[];
   __shared__ int red[32];
@@ -70,7 +75,11 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   __syncthreads();  // sched is visible
   const int len = sched[2];
   if ((int)threadIdx.x >= WGS * 128) {
-    const TmaTileCopy<DIM, BLOCK> copy{&kv_map, kv, base, base + L::kScales, KvPolicy::make(kv_evict_first != 0)};
+    if constexpr (REGS > 0) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    // 2: evict-first when this CTA's share is small (the host bounds a call's tiles from
+    // max_seq_len only, which overstates a skewed batch's)
+    const bool evict = kv_evict_first == 2 ? len <= kSmallTiles : kv_evict_first != 0;
+    const TmaTileCopy<DIM, BLOCK> copy{&kv_map, kv, base, base + L::kScales, KvPolicy::make(evict)};
     ring_produce<LEAN != 0, PAIR != 0>(meta, full0, empty0, STAGES, BLOCK, sched, copy, block_tables, bt_stride, seq_lens,
                             sl_stride, batch, (threadIdx.x - WGS * 128) >> 5, PRODUCERS);
     return;
@@ -84,7 +93,8 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   const unsigned bar_id = 1 + wg;
   constexpr int kWBytes = LaneWeights<N>::kFloats * 4;  // one weight buffer
   const unsigned qaddr0 = base + L::kQ + wg * QBUF * (N * DIM), waddr0 = base + L::kW + wg * QBUF * kWBytes;
-  constexpr bool WREG = N / 2 + N / 4 + 48 <= reg_cap(WGS * 128 + 32 * PRODUCERS);
+  if constexpr (REGS > 0) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS));
+  constexpr bool WREG = REGS > 0 ? N / 2 + N / 4 + 24 <= REGS : N / 2 + N / 4 + 48 <= reg_cap(WGS * 128 + 32 * PRODUCERS);
   WeightsReg<WREG ? N : 8> wreg;
   // The current request and buffer; pf_b: the request whose Q is in (or on its way into)
   // buffer cur ^ 1; early_b (two buffers, until the first switch): the request after the
