@@ -79,13 +79,13 @@ def test_other_head_dims_compile_to_tma_and_wgmma(dim, block, tmp_path):
     "next_n,dim,config",
     [(1, 32, TmaConfig(4, 32, 4, 2, 1)), (2, 32, TmaConfig(4, 40, 4, 2, 1)),
      (1, 64, TmaConfig(4, 16, 4, 2, 1)), (2, 64, TmaConfig(4, 20, 4, 2, 1)),
-     # n = 128 at head_dim 128: 4 warpgroups need setmaxnreg's 120 registers (96 spill)
-     (1, 128, TmaConfig(3, 9, 3, 2, 1)), (2, 128, TmaConfig(4, 8, 4, 2, 1, 0, 120)),
+     # n = 128 at head_dim 128: 4 warpgroups need setmaxnreg (96 spill)
+     (1, 128, TmaConfig(3, 9, 3, 2, 1)), (2, 128, TmaConfig(4, 8, 4, 2, 1, 0, 112)),
      (1, 128, TmaConfig(1, 3, 1, 1, 1)),
      # paired tiles (two accumulator sets: three warpgroups at most at next_n*heads = 64)
      (1, 32, TmaConfig(3, 36, 3, 2, 1, 1)), (1, 64, TmaConfig(3, 18, 3, 2, 1, 1)),
      (1, 128, TmaConfig(3, 12, 3, 2, 1, 1)), (1, 128, TmaConfig(2, 8, 2, 2, 1, 1)),
-     (2, 32, TmaConfig(4, 40, 4, 2, 1, 0, 120)), (2, 64, TmaConfig(4, 20, 4, 2, 1, 0, 120))],
+     (2, 32, TmaConfig(4, 40, 4, 2, 1, 0, 112)), (2, 64, TmaConfig(4, 20, 4, 2, 1, 0, 112))],
 )  # fmt: skip
 def test_lean_compiles_without_spills_or_serialized_wgmma(next_n, dim, config, tmp_path):
     f32 = torch.float32
@@ -252,9 +252,9 @@ TMA_VARIANTS = {
     "tma_1x2q1lp": TmaConfig(1, 2, 1, 1, 1, 1),  # one pair in the ring, one Q buffer
     "tma_2x4lp": TmaConfig(2, 4, 2, 2, 1, 1),
     "tma_3x0lp": TmaConfig(3, 0, 3, 2, 1, 1),  # as many stages as fit (6 at head_dim 256)
-    # setmaxnreg: 120 registers a consumer thread, 32 a producer
-    "tma_4x8p4r": TmaConfig(4, 8, 4, 2, 0, 0, 120),
-    "tma_4x8p4lr": TmaConfig(4, 8, 4, 2, 1, 0, 120),
+    # setmaxnreg: 112 registers a consumer thread, 32 a producer
+    "tma_4x8p4r": TmaConfig(4, 8, 4, 2, 0, 0, 112),
+    "tma_4x8p4lr": TmaConfig(4, 8, 4, 2, 1, 0, 112),
 }
 
 
@@ -299,7 +299,7 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
     if tma_variant.config in four and next_n * heads > 64:
         pytest.skip("4 warpgroups fit next_n*heads <= 64 only")
     if tma_variant.config is not None and tma_variant.config.regs and next_n * heads > 128:
-        pytest.skip("4 warpgroups at 120 registers fit next_n*heads <= 128 only")
+        pytest.skip("4 warpgroups at 112 registers fit next_n*heads <= 128 only")
     if tma_variant.config == TMA_VARIANTS["tma_3x6p3q1"] and next_n * heads > 192:
         pytest.skip("3 warpgroups fit next_n*heads <= 192 only")
     _skip_unfit_pair(tma_variant.config, next_n * heads)
@@ -330,7 +330,7 @@ def test_gpu_tma_other_head_dims(tma_variant, dim, next_n, heads, block_size):
         TMA_VARIANTS["tma_4x16p4l"],
     )
     if tma_variant.config is not None and tma_variant.config.regs and next_n * heads > 128:
-        pytest.skip("4 warpgroups at 120 registers fit next_n*heads <= 128 only")
+        pytest.skip("4 warpgroups at 112 registers fit next_n*heads <= 128 only")
     if four and (next_n * heads > 64 or dim > 64):
         pytest.skip("4 warpgroups x 16 stages fit next_n*heads <= 64 at head_dim <= 64 only")
     _skip_unfit_pair(tma_variant.config, next_n * heads)

@@ -53,8 +53,9 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   static_assert(!PAIR || (LEAN && STAGES % (2 * WGS) == 0 && STAGES % (2 * PRODUCERS) == 0),
                 "paired tiles: the lean loop, and whole pairs of stages per warpgroup and per producer");
   // REGS: setmaxnreg gives each consumer thread REGS registers and the producer warpgroup
-  // (PRODUCERS == 4: whole) what is left of the SM's 64K.
-  constexpr int kProducerRegs = (65536 / 128 - WGS * REGS) / 8 * 8;
+  // (PRODUCERS == 4: whole) what is left of the block's launch allocation (a raise past
+  // what the others give back would wait forever).
+  constexpr int kProducerRegs = (reg_cap(WGS * 128 + 32 * PRODUCERS) * (WGS + 1) - WGS * REGS) / 8 * 8;
   static_assert(REGS == 0 || (PRODUCERS == 4 && REGS % 8 == 0 && kProducerRegs >= 24 && REGS <= 248),
                 "setmaxnreg: four producer warps, and registers that fit");
 
