@@ -255,6 +255,8 @@ TMA_VARIANTS = {
     # setmaxnreg: 112 registers a consumer thread, 32 a producer
     "tma_4x8p4r": TmaConfig(4, 8, 4, 2, 0, 0, 112),
     "tma_4x8p4lr": TmaConfig(4, 8, 4, 2, 1, 0, 112),
+    # three warpgroups, four producer warps, 160 registers a consumer thread
+    "tma_3x12p4lr": TmaConfig(3, 12, 4, 2, 1, 0, 160),
 }
 
 
@@ -284,6 +286,12 @@ def _skip_unfit_pair(config: TmaConfig | None, n: int) -> None:
             pytest.skip(f"two accumulator sets of next_n*heads={n} do not fit {config}")
 
 
+def _skip_unfit_regs(config: TmaConfig | None, n: int) -> None:
+    """setmaxnreg configs: 4 warpgroups at 112 registers fit n <= 128, 3 at 160 n <= 192."""
+    if config is not None and config.regs and n > (128 if config.warpgroups == 4 else 192):
+        pytest.skip(f"next_n*heads={n} does not fit {config}")
+
+
 def _served_by_tma() -> bool:
     return any("mqa_logits_tma" in p.kernel.name for p in mq_plan._plans.values())
 
@@ -298,8 +306,7 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
     four = (TMA_VARIANTS["tma_4x16p2"], TMA_VARIANTS["tma_4x16p4l"])
     if tma_variant.config in four and next_n * heads > 64:
         pytest.skip("4 warpgroups fit next_n*heads <= 64 only")
-    if tma_variant.config is not None and tma_variant.config.regs and next_n * heads > 128:
-        pytest.skip("4 warpgroups at 112 registers fit next_n*heads <= 128 only")
+    _skip_unfit_regs(tma_variant.config, next_n * heads)
     if tma_variant.config == TMA_VARIANTS["tma_3x6p3q1"] and next_n * heads > 192:
         pytest.skip("3 warpgroups fit next_n*heads <= 192 only")
     _skip_unfit_pair(tma_variant.config, next_n * heads)
@@ -315,7 +322,7 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
 @pytest.mark.parametrize(
     "tma_variant",
     ["auto", "large", "tma_1x3", "tma_2x4p2q1", "tma_4x16p2", "tma_1x3q1l", "tma_2x4l", "tma_4x16p4l",
-     "tma_2x4lp", "tma_3x0lp", "tma_4x8p4lr"],
+     "tma_2x4lp", "tma_3x0lp", "tma_4x8p4lr", "tma_3x12p4lr"],
     indirect=True,
 )  # fmt: skip
 @pytest.mark.parametrize(
@@ -329,8 +336,7 @@ def test_gpu_tma_other_head_dims(tma_variant, dim, next_n, heads, block_size):
         TMA_VARIANTS["tma_4x16p2"],
         TMA_VARIANTS["tma_4x16p4l"],
     )
-    if tma_variant.config is not None and tma_variant.config.regs and next_n * heads > 128:
-        pytest.skip("4 warpgroups at 112 registers fit next_n*heads <= 128 only")
+    _skip_unfit_regs(tma_variant.config, next_n * heads)
     if four and (next_n * heads > 64 or dim > 64):
         pytest.skip("4 warpgroups x 16 stages fit next_n*heads <= 64 at head_dim <= 64 only")
     _skip_unfit_pair(tma_variant.config, next_n * heads)

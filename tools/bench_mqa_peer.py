@@ -89,12 +89,9 @@ ROWS = [
 # Every TMA row also times the dispatcher's config with the other consumer loop: "lean"
 # where the dispatcher takes the plain one, "plain" where it takes the lean one.
 # TmaConfig(..., lean, 1): paired tiles ("-pair"); TmaConfig(..., regs): setmaxnreg ("rN").
-# ("name", MqaLogitsOptions): other options (evict 2: the kernel picks the L2 policy).
+# ("name", MqaLogitsOptions): other options.
 T = TmaConfig
-EVICT2 = ("evict2", MqaLogitsOptions(evict=2))
-SMALL_EVICT2 = ("small-evict2", MqaLogitsOptions(config=T(2, 6, 2, 2), evict=2))
 SWEEPS: dict[str, list] = {
-    "b32": [EVICT2],
     "b256n2": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 2, 1, 0, 160), T(3, 12, 4, 2, 0, 0, 160)],
     "b64L64kn2": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 2, 1, 0, 160), T(3, 12, 4, 2, 0, 0, 160)],
     "b128n4h32": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 2, 1, 0, 160)],
@@ -103,9 +100,8 @@ SWEEPS: dict[str, list] = {
     "d32": [T(3, 36, 3, 2, 1, 1)],
     "d64n2": [T(4, 20, 4, 2, 1, 0, 112), T(3, 12, 4, 2, 1, 0, 160), T(4, 12, 4, 1, 1)],
     "d32n2": [T(4, 40, 4, 2, 1, 0, 112), T(3, 24, 4, 2, 1, 0, 160), T(4, 16, 4, 2, 1)],
-    "skew32": [EVICT2, SMALL_EVICT2],
+    "skew32": [("small", MqaLogitsOptions(config=T(2, 6, 2, 2)))],
     "skew128n2": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 2, 1, 0, 160)],
-    "b1024": [EVICT2],
 }  # fmt: skip
 
 
@@ -288,7 +284,7 @@ def run_row(row: Row, dg, reps: int, sweep: bool, probes: bool, gen: torch.Gener
         if config == "l2_256":
             sides[config] = lambda s: ours(s, promotion=256)
             continue
-        if isinstance(config, tuple):
+        if not isinstance(config, TmaConfig):  # (name, MqaLogitsOptions); TmaConfig is a tuple too
             sides[config[0]] = lambda s, o=config[1]: ours(s, options=o)
             continue
         name = f"tma{config.warpgroups}x{config.stages}p{config.producers}q{config.qbuf}"

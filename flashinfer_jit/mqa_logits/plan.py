@@ -56,15 +56,13 @@ class MqaLogitsOptions(Options):
     the previous kernel's tail; it waits for that kernel's results before reading anything).
     ``tma_family``: another build of the TMA kernel with its parameters (an instrumented one
     or a timing probe, tools/). ``l2_promotion``: the KV tensor map's L2 fill size in bytes
-    (tma.kv_tensor_map). ``evict``: the KV stream's L2 policy, 0 / 1 (evict-first) / 2 (the TMA
-    kernel decides per CTA from its share of tiles); None: evict-first for small calls."""
+    (tma.kv_tensor_map)."""
 
     config: RingConfig | TmaConfig | None = None
     force_generic: bool = False
     pdl: bool = True
     tma_family: TmaFamily | None = None
     l2_promotion: int = 128
-    evict: int | None = None
 
 
 def _launchable(plan: KernelPlan, what: str) -> KernelPlan:
@@ -140,7 +138,7 @@ def kernel_plan(geometry, dtypes, device: int, small: int, options: MqaLogitsOpt
     key = (geometry, dtypes, device, small, options)
     plan = _plans.get(key)
     if plan is None:
-        evict = int(small > 0) if options.evict is None else options.evict
+        evict = int(small > 0)
         why = "forced"
         if not options.force_generic:
             try:

@@ -38,7 +38,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
                      const int* __restrict__ seq_lens, long long sl_stride,
                      const int* __restrict__ schedule,          // [gridDim.x + 1, 2] or nullptr
                      OutT* __restrict__ out, long long out_stride, int batch,
-                     int kv_evict_first,                        // the KV stream's L2 policy (KvPolicy; 2: by len)
+                     int kv_evict_first,                        // the KV stream's L2 policy (KvPolicy)
                      const __grid_constant__ TensorMap kv_map) {  // the pool's fp8 values, see above
   constexpr int N = NEXT_N * HEADS;
   constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
@@ -77,10 +77,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   const int len = sched[2];
   if ((int)threadIdx.x >= WGS * 128) {
     if constexpr (REGS > 0) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    // 2: evict-first when this CTA's share is small (the host bounds a call's tiles from
-    // max_seq_len only, which overstates a skewed batch's)
-    const bool evict = kv_evict_first == 2 ? len <= kSmallTiles : kv_evict_first != 0;
-    const TmaTileCopy<DIM, BLOCK> copy{&kv_map, kv, base, base + L::kScales, KvPolicy::make(evict)};
+    const TmaTileCopy<DIM, BLOCK> copy{&kv_map, kv, base, base + L::kScales, KvPolicy::make(kv_evict_first != 0)};
     ring_produce<LEAN != 0, PAIR != 0>(meta, full0, empty0, STAGES, BLOCK, sched, copy, block_tables, bt_stride, seq_lens,
                             sl_stride, batch, (threadIdx.x - WGS * 128) >> 5, PRODUCERS);
     return;

@@ -7,8 +7,6 @@
 namespace fij_mqa {
 
 constexpr int kTile = 64;  // KV tokens per warpgroup tile (the wgmma M); the schedule unit
-// A CTA share of at most this many tiles is a small call's (tma.SMALL_WORK_TILES_PER_SM[0]).
-constexpr int kSmallTiles = 32;
 
 // Registers per thread for a block of `threads`. Each of the SM's 4 sub-partitions has
 // its own 16K-register file and a block's warps are dealt to them round-robin, so the
