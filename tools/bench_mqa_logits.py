@@ -244,7 +244,7 @@ def floor_us(sets, next_n):
 
 def auto_config(batch: int, next_n: int, heads: int, length: int) -> TmaConfig:
     """The dispatcher's TMA config for a row (mqa_logits_tma.small_work decides)."""
-    return tma_config(next_n * heads, small_work(batch, length, sm_count(0)))
+    return tma_config(next_n * heads, small_work(batch, length, sm_count(0)), next_n=next_n)
 
 
 def variant_options(v, shape: tuple[int, int, int, int]) -> MqaLogitsOptions:

@@ -82,7 +82,7 @@ def _tma_plan(
     next_n, heads, dim, block_size = geometry
     n = next_n * heads
     forced = options.config
-    config = forced if isinstance(forced, TmaConfig) else tma_config(n, small, dim)
+    config = forced if isinstance(forced, TmaConfig) else tma_config(n, small, dim, next_n)
     if config.stages == 0:
         config = config._replace(
             stages=tma_stages(
@@ -180,6 +180,6 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
         specs.add(ring_family.spec(ring_params(geometry, dtypes)))
         if geometry[2] in TMA_DIMS:  # sm_90a's kernels (the spec names its arch)
             for small in range(3):  # the classes of tma.small_work
-                config = tma_config(next_n * heads, small, geometry[2])
+                config = tma_config(next_n * heads, small, geometry[2], next_n)
                 specs.add(tma_family.spec((*geometry, *dtypes, *config)))
     return sorted(specs, key=str)

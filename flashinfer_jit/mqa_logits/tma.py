@@ -41,7 +41,6 @@ tma_family = kernel_family(
         "qbuf",
         "lean",
         "pair",
-        "regs",
     ),
     (*LOGITS_ARGS, TENSOR_MAP),  # + the KV pool's tensor map
     archs=("sm_90a",),
@@ -67,9 +66,6 @@ class TmaConfig(NamedTuple):
     # epilogue under the second's MMA; stages a multiple of twice the warpgroups and of
     # twice the producer warps.
     pair: int = 0
-    # > 0: setmaxnreg gives each consumer thread this many registers (the four producer
-    # warps what is left), and the weights stay in registers where they then fit.
-    regs: int = 0
 
 
 def tma_regs(n: int) -> int:
@@ -141,6 +137,7 @@ RING_STAGES = 10  # at most, in any config tma_config picks
 SMALL_CONFIG = TmaConfig(2, 6, 2, 2)  # small calls at n <= 64, and the smallest at n = 128
 NARROW_CONFIG = TmaConfig(3, 9, 3, 2)  # the other calls at n <= 64
 SHORT_ROW_CONFIG = TmaConfig(4, 8, 4, 2)  # the other calls at n <= 64, head_dim < 128
+PAIRED_CONFIG = TmaConfig(3, 9, 3, 2, 1, 1)  # the other calls at n = 64, head_dim 64
 
 
 def _deeper(config: TmaConfig, n: int, dim: int) -> TmaConfig:
@@ -153,7 +150,7 @@ def _deeper(config: TmaConfig, n: int, dim: int) -> TmaConfig:
     return config._replace(stages=fit)
 
 
-def tma_config(n: int, small: int = 0, dim: int = 128) -> TmaConfig:
+def tma_config(n: int, small: int = 0, dim: int = 128, next_n: int = 1) -> TmaConfig:
     """The configuration for next_n*num_heads = n (``small``: the class of small_work) at
     head_dim ``dim``.
 
@@ -177,7 +174,8 @@ def tma_config(n: int, small: int = 0, dim: int = 128) -> TmaConfig:
       buffers (prefetch) while that leaves at least 2 ring stages per warpgroup, else one
       (n=128: 83.7 against 88.0 us with one buffer at B=256, next_n=2, round 3); at most
       RING_STAGES stages. n=128: 4 warpgroups x 8 stages; n=192: 3 x 9.
-    - The lean consumer loop (``lean``) for calls that are not small below head_dim 128,
+    - The lean consumer loop (``lean``) for calls that are not small below head_dim 128 at
+      next_n <= 2 (at 3 and 4 its store rows spill a few registers; never timed there),
       where it measured faster (docs/perf-log/mqa_logits.md, round 13; per call in a
       graph, lean against plain in the same run, two runs): head_dim 32 B=256 L=8192 35.1 /
       35.3 us against 37.4 / 37.5 (next_n=2: 48.8 / 48.5 against 50.3 / 51.3), head_dim 64
@@ -185,19 +183,26 @@ def tma_config(n: int, small: int = 0, dim: int = 128) -> TmaConfig:
       n=128, head_dim 128 it was slower (B=256 next_n=2 75.8 / 77.6 against 73.0 / 74.7,
       B=64 L=65536 144.7 / 150.2 against 138.3 / 140.5). At n=192 (next_n=3 H=64 B=128
       L=16384) it was faster, 95.3 / 98.7 against 99.4 / 103.6, but ptxas spills its loop
-      counter there: left for a version that fits.
+      counter there: left for a version that fits. Round 14 (the lean loop's tile as an
+      inlined lambda, same instructions, other registers): head_dim 32 30.8 / 30.4 us in
+      two runs against plain 37.7 / 37.9 (DeepGEMM 30.4 / 29.7).
+    - Paired tiles (``pair``) at n = 64, head_dim 64, calls that are not small
+      (PAIRED_CONFIG: 3 warpgroups, 18 stages at head_dim 64): B=256 L=8192 38.5 us
+      against the lean 4 x 16's 41.1 (DeepGEMM 38.2), one run (round 14). Not taken where
+      they were not faster: head_dim 32 3 x 36 pairs 31.8 against lean 4 x 32 30.8; head_dim
+      128 3 x 12 pairs 67.1 / 126.7 against 66.5 / 127.1 (B=256 / B=64 L=65536); larger n
+      does not fit two accumulator sets.
     """
     if (small and n <= 64) or (small >= 2 and n == 128):
         return _deeper(SMALL_CONFIG, n, dim)
-    return _lean(_sized(n, dim), small, n, dim)
-
-
-def _lean(config: TmaConfig, small: int, n: int, dim: int) -> TmaConfig:
-    return config._replace(lean=1) if not small and dim < 128 else config
+    config = _sized(n, dim)
+    return config._replace(lean=1) if not small and dim < 128 and next_n <= 2 else config
 
 
 def _sized(n: int, dim: int) -> TmaConfig:
     """tma_config's choice for calls that are not small, before the loop's."""
+    if n == 64 and dim == 64:  # (paired tiles need the lean loop: next_n <= 2 here)
+        return _deeper(PAIRED_CONFIG, n, dim)
     if n <= 64:
         return _deeper(NARROW_CONFIG if dim >= 128 else SHORT_ROW_CONFIG, n, dim)
     for warpgroups in (4, 3, 2, 1):
