@@ -52,9 +52,12 @@ def _compilers() -> dict[str, str]:
     except Exception as exc:  # no NVRTC library is a state to report, not a crash
         nvrtc = f"unavailable ({exc})"
     from jit_kernels.compile import cute_dsl_refusal
+    from jit_kernels.ptxas import ptxas_path
 
+    ptxas = ptxas_path()  # prebuild's one PTX for sm_100a and sm_103a needs it
     return {
         "nvrtc": nvrtc,
+        "ptxas (prebuild)": str(ptxas) if ptxas else "none of NVRTC's release (the prebuild extra)",
         "nvidia-cutlass-dsl": _package("nvidia-cutlass-dsl"),
         "cake kernels": cute_dsl_refusal() or "compiled here",
         "c compiler": _first_line([*native.compiler(), "--version"]),

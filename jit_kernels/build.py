@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .cache import CubinCache, default_cache_root, prebuilt_roots
 from .compile import CompiledKernel, compile_cubin, compiler_identity
+from .ptxas import SharedPtx, ptx_source, ptxas_path
 from .render import RenderedSource, render
 from .spec import KernelSpec, sha256_hex
 
@@ -57,8 +58,22 @@ class KernelBuilder:
                 found = self._built.setdefault(memo, found)
         return found
 
-    def build(self, spec: KernelSpec, arch: str) -> tuple[CompiledKernel, bool]:
-        """(kernel, compiled_now) for ``spec`` on ``arch``, from memory, disk or NVRTC."""
+    def shared_ptx(self, spec: KernelSpec, archs: Sequence[str]) -> SharedPtx | None:
+        """One PTX for ``archs`` (twins: ptxas.ptx_source alike) where two or more of them
+        need a compile and the installed NVRTC's ptxas is there (``prebuild``); else None,
+        and each arch is compiled by NVRTC alone."""
+        need = [arch for arch in archs if self.lookup(spec, arch) is None]
+        if spec.compiler != "nvrtc" or len(need) < 2 or ptxas_path() is None:
+            return None
+        if len({ptx_source(arch) for arch in need}) != 1:
+            raise ValueError(f"{need} do not share one PTX")
+        return SharedPtx(render(spec, self.template_root), need)
+
+    def build(
+        self, spec: KernelSpec, arch: str, shared: SharedPtx | None = None
+    ) -> tuple[CompiledKernel, bool]:
+        """(kernel, compiled_now) for ``spec`` on ``arch``, from memory, disk or NVRTC (with
+        ``shared``, where it covers ``arch``: from its PTX, through ptxas)."""
         memo = (spec, arch)
         if memo in self._built:
             return self._built[memo], False
@@ -67,21 +82,30 @@ class KernelBuilder:
         with lock:
             if memo in self._built:
                 return self._built[memo], False
-            rendered = render(spec, self.template_root)
+            if shared is not None and arch not in shared.archs:
+                shared = None
+            # the key hashes exactly what the shared PTX was compiled from
+            rendered = shared.rendered if shared else render(spec, self.template_root)
             identity = compiler_identity(spec.compiler)
             try:
-                kernel, compiled = self._get_or_build(spec, arch, rendered, identity)
+                kernel, compiled = self._get_or_build(spec, arch, rendered, identity, shared)
             except _OtherCompiler as exc:  # the wheel's metadata named another NVRTC
                 log.warning("%s; keying %s by the loaded one", exc, spec.label)
-                kernel, compiled = self._get_or_build(spec, arch, rendered, exc.identity)
+                kernel, compiled = self._get_or_build(spec, arch, rendered, exc.identity, shared)
             self._built[memo] = kernel
             return kernel, compiled
 
     def _get_or_build(
-        self, spec: KernelSpec, arch: str, rendered: RenderedSource, identity: str
+        self,
+        spec: KernelSpec,
+        arch: str,
+        rendered: RenderedSource,
+        identity: str,
+        shared: SharedPtx | None = None,
     ) -> tuple[CompiledKernel, bool]:
         """From disk, or compiled and stored, under the key of the compiler ``identity``; a
-        compile first checks that the loaded compiler is that one."""
+        compile first checks that the loaded compiler is that one. The key is the same
+        whether ``shared`` assembles the cubin or NVRTC compiles it: the SASS is."""
         key = self._key(rendered, identity, arch)
         meta = {
             "key": key,
@@ -100,7 +124,7 @@ class KernelBuilder:
                 self.on_compile()
             log.info("compiling %s for %s", spec.label, arch)
             start = time.perf_counter()
-            kernel = compile_cubin(rendered, arch)
+            kernel = shared.compile(arch) if shared else compile_cubin(rendered, arch)
             log.info("compiled %s for %s in %.2f s", spec.label, arch, time.perf_counter() - start)
             if kernel.messages:  # a warning nobody reads is a slow kernel nobody sees
                 log.warning("compiling %s for %s: %s", spec.label, arch, kernel.messages)

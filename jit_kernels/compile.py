@@ -142,8 +142,17 @@ def compile_cubin(rendered: RenderedSource, arch: str) -> CompiledKernel:
     return CompiledKernel(cubin, entry, time.perf_counter() - start, messages)
 
 
-def _compile_nvrtc(rendered: RenderedSource, arch: str) -> tuple[bytes, str, str]:
-    """(cubin, lowered entry name, the compiler's log: empty unless it warned)."""
+def compile_ptx(rendered: RenderedSource, arch: str) -> tuple[bytes, str, str]:
+    """(PTX, lowered entry name, NVRTC's log) of one specialization for ``arch``'s virtual
+    target (sm_100a: compute_100a); jit_kernels.ptxas assembles it."""
+    return _compile_nvrtc(rendered, arch.replace("sm_", "compute_", 1), ptx=True)
+
+
+def _compile_nvrtc(
+    rendered: RenderedSource, arch: str, ptx: bool = False
+) -> tuple[bytes, str, str]:
+    """(cubin, or with ``ptx`` the PTX, lowered entry name, the compiler's log: empty unless
+    it warned)."""
     from cuda.bindings import nvrtc
 
     names = [n.encode() for n, _ in rendered.headers]
@@ -166,10 +175,11 @@ def _compile_nvrtc(rendered: RenderedSource, arch: str) -> tuple[bytes, str, str
         if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(rendered.spec.label, arch, log_text, _keep_source(rendered))
         (lowered,) = _check(nvrtc.nvrtcGetLoweredName(prog, expression), "nvrtcGetLoweredName")
-        (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = bytearray(size)
-        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return bytes(cubin), lowered.decode(), log_text.strip()
+        kind = "PTX" if ptx else "CUBIN"
+        (size,) = _check(getattr(nvrtc, f"nvrtcGet{kind}Size")(prog), f"nvrtcGet{kind}Size")
+        binary = bytearray(size)
+        _check(getattr(nvrtc, f"nvrtcGet{kind}")(prog, binary), f"nvrtcGet{kind}")
+        return bytes(binary), lowered.decode(), log_text.strip()
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

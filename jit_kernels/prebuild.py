@@ -17,6 +17,7 @@ from pathlib import Path
 from . import native
 from .build import KernelBuilder
 from .cache import CacheWriteError, CubinCache, default_cache_root, prebuilt_roots
+from .ptxas import SharedPtx, ptx_source
 from .spec import KernelSpec
 
 
@@ -50,11 +51,33 @@ def one_line(text: str, limit: int = 400) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def _run(task: BuildTask, template_root: Path, version: str, output: Path | None) -> BuildResult:
-    start = time.perf_counter()
+def _run_job(
+    job: list[BuildTask], template_root: Path, version: str, output: Path | None
+) -> list[BuildResult]:
+    """Build one spec for the archs of ``job``, which share their PTX (``_jobs``): NVRTC
+    compiles it once and ptxas assembles each arch's cubin, where ptxas.SharedPtx applies."""
     builder = KernelBuilder(template_root, version, prebuild_cache(version, output))
+    shared = None
+    if len(job) > 1:
+        try:
+            shared = builder.shared_ptx(job[0].spec, [task.arch for task in job])
+        except Exception:  # noqa: BLE001 (a cache that cannot be read: each build reports it)
+            shared = None
+    return [_run(task, builder, shared) for task in job]
+
+
+def _jobs(tasks: list[BuildTask]) -> list[list[BuildTask]]:
+    """The tasks by job: one spec's archs that take one PTX (ptxas.ptx_source) together."""
+    jobs: dict[tuple[KernelSpec, str], list[BuildTask]] = {}
+    for task in tasks:
+        jobs.setdefault((task.spec, ptx_source(task.arch)), []).append(task)
+    return list(jobs.values())
+
+
+def _run(task: BuildTask, builder: KernelBuilder, shared: SharedPtx | None) -> BuildResult:
+    start = time.perf_counter()
     try:
-        kernel, compiled = builder.build(task.spec, task.arch)
+        kernel, compiled = builder.build(task.spec, task.arch, shared)
     except CacheWriteError as exc:  # compiled, but not stored: the same cause for every kernel
         return BuildResult(task, "failed", time.perf_counter() - start, str(exc), exc.cause)
     except Exception as exc:  # a failed kernel is reported, the others still build
@@ -108,15 +131,15 @@ def build_all(
     output: Path | None = None,
 ) -> Iterator[BuildResult]:
     """Build every task, ``jobs`` at a time, yielding results as they finish."""
-    tasks = list(tasks)
+    grouped = _jobs(list(tasks))
     if jobs <= 1:
-        for task in tasks:
-            yield _run(task, template_root, version, output)
+        for job in grouped:
+            yield from _run_job(job, template_root, version, output)
         return
     with worker_pool(jobs) as pool:
-        futures = [pool.submit(_run, t, template_root, version, output) for t in tasks]
+        futures = [pool.submit(_run_job, job, template_root, version, output) for job in grouped]
         for future in as_completed(futures):
-            yield future.result()
+            yield from future.result()
 
 
 def kernel_counts(tasks: Iterable[BuildTask]) -> list[tuple[str, str, int]]:

@@ -28,6 +28,7 @@ from .kernels import (
     launch_split,
     pairs_apply,
     slot_plan,
+    takes_bulk,
 )
 from .plan import QsaOptions, bulk_ok, wave_clusters
 
@@ -162,6 +163,9 @@ def all_specs(
         single = default_config(head_dim, 0, bulk)
         plans.append(decode_plan(group, head_dim, 0, False, bulk, single, tmma, lean))
         for cluster in CLUSTER_SIZES:
+            # takes_bulk gives bulk copies to 2-CTA clusters only (over two waves of CTAs)
+            if bulk and not takes_bulk(True, cluster, grid_ctas=3, sms=1):
+                continue
             config = default_config(head_dim, cluster, bulk)
             for fused in (True, False):
                 plans.append(decode_plan(group, head_dim, cluster, fused, bulk, config))

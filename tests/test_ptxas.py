@@ -1,0 +1,118 @@
+"""prebuild's shared PTX (jit_kernels.ptxas): which archs share one NVRTC front end and
+optimizer, and that ptxas assembles the SASS NVRTC itself gives (issue 21, item 2)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from flashinfer_jit import cli
+from flashinfer_jit._jit import TEMPLATE_ROOT
+from flashinfer_jit._version import __version__
+from jit_kernels import CubinCache, KernelBuilder, compile_cubin, ptxas, render
+from jit_kernels.compile import compile_ptx
+from jit_kernels.params import cuobjdump
+from jit_kernels.prebuild import BuildTask, _jobs, build_all
+from jit_kernels.spec import KernelSpec
+
+TWINS = ("sm_100a", "sm_103a")
+# One cheap specialization per template the twins share (the templates' own SASS differs).
+SAMPLE = ("mla_kv_pack", "mqa_logits_clean", "mqa_logits_schedule", "qsa_slots")
+
+
+def _samples() -> list[KernelSpec]:
+    specs = {}
+    for task in cli._tasks(None, TWINS[:1], None):
+        specs.setdefault(task.spec.family, task.spec)
+    return [specs[family] for family in SAMPLE]
+
+
+def _needs_ptxas() -> str:
+    pytest.importorskip("cuda.bindings.nvrtc")
+    if ptxas.ptxas_path() is None:
+        pytest.skip("no ptxas of the installed NVRTC's release (pip install nvidia-cuda-nvcc)")
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (pip install nvidia-cuda-cuobjdump)")
+    return tool
+
+
+def _sass(tool: str, cubin: bytes, folder: Path) -> dict[str, list[str]]:
+    """Function -> its SASS instructions (addresses and encodings dropped)."""
+    path = folder / "k.cubin"
+    path.write_bytes(cubin)
+    text = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
+    functions: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in text.splitlines():
+        name = re.search(r"Function : (\S+)", line)
+        if name:
+            current = functions.setdefault(name.group(1), [])
+        elif instruction := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;", line):
+            current.append(instruction.group(1))
+    return functions
+
+
+def test_jobs_put_twins_together():
+    """One job per spec and PTX: sm_100a with sm_103a; sm_90a and sm_107a alone."""
+    spec = KernelSpec("f", "t.cuh", "k", (("n", 1),))
+    other = KernelSpec("f", "t.cuh", "k", (("n", 2),))
+    archs = ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
+    tasks = [BuildTask("op", s, arch) for s in (spec, other) for arch in archs]
+    jobs = [[(t.spec, t.arch) for t in job] for job in _jobs(tasks)]
+    assert jobs == [
+        [(spec, "sm_90a")],
+        [(spec, "sm_100a"), (spec, "sm_103a")],
+        [(spec, "sm_107a")],
+        [(other, "sm_90a")],
+        [(other, "sm_100a"), (other, "sm_103a")],
+        [(other, "sm_107a")],
+    ]
+    assert ptxas.ptx_source("sm_107a") == "sm_107a"  # its PTX differs (module docstring)
+
+
+def test_ptxas_of_another_release_is_not_used(monkeypatch):
+    ptxas.ptxas_path.cache_clear()
+    monkeypatch.setattr(ptxas, "_reported_release", lambda path: "0.0.1")
+    try:
+        assert ptxas.ptxas_path() is None
+    finally:
+        ptxas.ptxas_path.cache_clear()
+
+
+@pytest.mark.parametrize("spec", _samples(), ids=lambda s: s.family)
+def test_twins_take_one_ptx_and_ptxas_gives_nvrtcs_sass(spec, tmp_path):
+    """NVRTC's PTX for sm_103a is sm_100a's but for the .target line and internal names, and
+    ptxas on sm_100a's PTX gives each twin the SASS NVRTC gives it."""
+    tool = _needs_ptxas()
+    rendered = render(spec, TEMPLATE_ROOT)
+    texts = [compile_ptx(rendered, arch)[0].decode() for arch in TWINS]
+    internal = re.compile(r"_INTERNAL_\w+?_cu_[0-9a-f]+_\d+|\.target \S+")
+    assert internal.sub("", texts[0]) == internal.sub("", texts[1])
+    shared = ptxas.SharedPtx(rendered, TWINS)
+    for arch in TWINS:
+        direct = compile_cubin(rendered, arch)
+        assembled = shared.compile(arch)
+        assert assembled.entry == direct.entry
+        assert _sass(tool, assembled.cubin, tmp_path) == _sass(tool, direct.cubin, tmp_path)
+
+
+def test_prebuild_compiles_one_ptx_for_the_twins(tmp_path, monkeypatch):
+    """A prebuild of one spec for both twins runs NVRTC once (to PTX) and stores one verified
+    entry per arch, under the keys an NVRTC compile would have."""
+    _needs_ptxas()
+    spec = _samples()[0]
+    calls = []
+    real = ptxas.compile_ptx
+    monkeypatch.setattr(ptxas, "compile_ptx", lambda *a: calls.append(a[1]) or real(*a))
+    monkeypatch.setattr("jit_kernels.build.compile_cubin", lambda *a: pytest.fail("NVRTC cubin"))
+    tasks = [BuildTask("op", spec, arch) for arch in TWINS]
+    results = list(build_all(tasks, TEMPLATE_ROOT, __version__, 1, output=tmp_path))
+    assert [r.status for r in results] == ["compiled", "compiled"] and calls == ["sm_100a"]
+    cache = CubinCache(tmp_path, [], __version__)
+    builder = KernelBuilder(TEMPLATE_ROOT, __version__, cache)
+    for arch in TWINS:
+        assert cache.lookup(arch, spec.family, builder.cache_key(spec, arch), spec.label)
