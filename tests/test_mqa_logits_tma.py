@@ -203,6 +203,10 @@ TMA_VARIANTS = {
     "tma_1x2q1lp": TmaConfig(1, 2, 1, 1, 1, 1),  # one pair in the ring, one Q buffer
     "tma_2x4lp": TmaConfig(2, 4, 2, 2, 1, 1),
     "tma_3x0lp": TmaConfig(3, 0, 3, 2, 1, 1),  # as many stages as fit (6 at head_dim 256)
+    # setmaxnreg: 112 registers a consumer thread at 4 warpgroups, 160 at 3 (4 producer warps)
+    "tma_4x8p4r": TmaConfig(4, 8, 4, 2, 0, 0, 112),
+    "tma_4x8p4lr": TmaConfig(4, 8, 4, 2, 1, 0, 112),
+    "tma_3x12p4lr": TmaConfig(3, 12, 4, 2, 1, 0, 160),
 }
 
 
@@ -232,6 +236,12 @@ def _skip_unfit_pair(config: TmaConfig | None, n: int) -> None:
             pytest.skip(f"two accumulator sets of next_n*heads={n} do not fit {config}")
 
 
+def _skip_unfit_regs(config: TmaConfig | None, n: int) -> None:
+    """setmaxnreg configs: 4 warpgroups at 112 registers fit n <= 128, 3 at 160 n <= 192."""
+    if config is not None and config.regs and n > (128 if config.warpgroups == 4 else 192):
+        pytest.skip(f"next_n*heads={n} does not fit {config}")
+
+
 def _served_by_tma() -> bool:
     return any("mqa_logits_tma" in p.kernel.name for p in mq_plan._plans.values())
 
@@ -249,6 +259,7 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
     if tma_variant.config == TMA_VARIANTS["tma_3x6p3q1"] and next_n * heads > 192:
         pytest.skip("3 warpgroups fit next_n*heads <= 192 only")
     _skip_unfit_pair(tma_variant.config, next_n * heads)
+    _skip_unfit_regs(tma_variant.config, next_n * heads)
     lens = EDGE_LENS + [next_n - 1, 1000, 64 * 7, 3 * block_size]
     run_and_check(
         lens, device="cuda", next_n=next_n, heads=heads, block_size=block_size, seed=17 + next_n,
@@ -261,7 +272,7 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
 @pytest.mark.parametrize(
     "tma_variant",
     ["auto", "large", "tma_1x3", "tma_2x4p2q1", "tma_4x16p2", "tma_1x3q1l", "tma_2x4l", "tma_4x16p4l",
-     "tma_2x4lp", "tma_3x0lp"],
+     "tma_2x4lp", "tma_3x0lp", "tma_4x8p4lr", "tma_3x12p4lr"],
     indirect=True,
 )  # fmt: skip
 @pytest.mark.parametrize(
@@ -278,6 +289,7 @@ def test_gpu_tma_other_head_dims(tma_variant, dim, next_n, heads, block_size):
     if four and (next_n * heads > 64 or dim > 64):
         pytest.skip("4 warpgroups x 16 stages fit next_n*heads <= 64 at head_dim <= 64 only")
     _skip_unfit_pair(tma_variant.config, next_n * heads)
+    _skip_unfit_regs(tma_variant.config, next_n * heads)
     lens = EDGE_LENS + [next_n - 1, 1000, 64 * 7, 3 * block_size]
     run_and_check(
         lens, device="cuda", next_n=next_n, heads=heads, dim=dim, block_size=block_size, seed=dim,

@@ -39,7 +39,10 @@ def test_other_head_dims_compile_to_tma_and_wgmma(dim, block, tmp_path):
      (1, 128, TmaConfig(3, 9, 3, 2, 1)), (1, 128, TmaConfig(1, 3, 1, 1, 1)),
      # paired tiles (two accumulator sets: three warpgroups at most at next_n*heads = 64)
      (1, 32, TmaConfig(3, 36, 3, 2, 1, 1)), (1, 64, TmaConfig(3, 18, 3, 2, 1, 1)),
-     (1, 128, TmaConfig(3, 12, 3, 2, 1, 1)), (1, 128, TmaConfig(2, 8, 2, 2, 1, 1))],
+     (1, 128, TmaConfig(3, 12, 3, 2, 1, 1)), (1, 128, TmaConfig(2, 8, 2, 2, 1, 1)),
+     # setmaxnreg (within the launch allocation)
+     (2, 32, TmaConfig(4, 40, 4, 2, 1, 0, 112)), (2, 64, TmaConfig(4, 20, 4, 2, 1, 0, 112)),
+     (2, 128, TmaConfig(4, 8, 4, 2, 1, 0, 112)), (2, 128, TmaConfig(3, 12, 4, 2, 1, 0, 160))],
 )  # fmt: skip
 def test_lean_compiles_without_spills_or_serialized_wgmma(next_n, dim, config, tmp_path):
     f32 = torch.float32

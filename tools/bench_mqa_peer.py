@@ -91,10 +91,15 @@ ROWS = [
 # TmaConfig(..., lean, 1): paired tiles ("-pair"); ("name", MqaLogitsOptions): other options.
 T = TmaConfig
 SWEEPS: dict[str, list] = {
+    "b256n2": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 2, 1, 0, 160), T(3, 12, 4, 2, 0, 0, 160)],
+    "b64L64kn2": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 2, 1, 0, 160), T(3, 12, 4, 2, 0, 0, 160)],
+    "b128n4h32": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 2, 1, 0, 160)],
+    "b128n3": [T(3, 12, 4, 1, 1, 0, 160), T(3, 12, 4, 1, 0, 0, 160)],
+    "skew128n2": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 2, 1, 0, 160)],
     "d64": [T(4, 16, 4, 2, 1), T(3, 18, 3, 2, 1)],
     "d32": [T(3, 36, 3, 2, 1), T(3, 36, 3, 2, 1, 1)],
-    "d64n2": [T(4, 12, 4, 1, 1), T(4, 16, 4, 2, 1)],
-    "d32n2": [T(4, 16, 4, 2, 1)],
+    "d64n2": [T(4, 12, 4, 1, 1), T(4, 20, 4, 2, 1, 0, 112), T(3, 12, 4, 2, 1, 0, 160)],
+    "d32n2": [T(4, 16, 4, 2, 1), T(4, 40, 4, 2, 1, 0, 112), T(3, 24, 4, 2, 1, 0, 160)],
     "b256": [T(3, 12, 3, 2, 1, 1)],
     "b64L64k": [T(3, 12, 3, 2, 1, 1)],
     "skew32": [T(3, 9, 3, 2, 1), ("small", MqaLogitsOptions(config=T(2, 6, 2, 2)))],
@@ -285,6 +290,7 @@ def run_row(row: Row, dg, reps: int, sweep: bool, probes: bool, gen: torch.Gener
             continue
         name = f"tma{config.warpgroups}x{config.stages}p{config.producers}q{config.qbuf}"
         name += ("l" if config.lean else "") + ("-pair" if config.pair else "")
+        name += f"r{config.regs}" if config.regs else ""
         sides[name] = lambda s, c=config: ours(s, c)
     for n in (1, 2, 3) if probes and row.head_dim_fits_tma() else ():
         sides[f"probe{n}"] = lambda s, n=n: ours(

@@ -29,8 +29,8 @@ from jit_kernels import KernelBuilder, KernelFamily, LoadedKernel
 TMA_TEMPLATE = "mqa_logits/sm90_tma_wgmma.cuh"
 PROBE_PATCHES = [
     (
-        "          int PRODUCERS, int QBUF, int LEAN, int PAIR>\n__global__",
-        "          int PRODUCERS, int QBUF, int LEAN, int PAIR, int PROBE>\n__global__",
+        "          int PRODUCERS, int QBUF, int LEAN, int PAIR, int REGS>\n__global__",
+        "          int PRODUCERS, int QBUF, int LEAN, int PAIR, int REGS, int PROBE>\n__global__",
     ),
     (
         "  if (T * wg < len) {  // the first tile's Q",

@@ -41,6 +41,7 @@ tma_family = kernel_family(
         "qbuf",
         "lean",
         "pair",
+        "regs",
     ),
     (*LOGITS_ARGS, TENSOR_MAP),  # + the KV pool's tensor map
     archs=("sm_90a",),
@@ -66,6 +67,9 @@ class TmaConfig(NamedTuple):
     # epilogue under the second's MMA; stages a multiple of twice the warpgroups and of
     # twice the producer warps.
     pair: int = 0
+    # > 0: setmaxnreg gives each consumer thread this many registers (the four producer
+    # warps what is left of the launch allocation), weights in registers where they fit.
+    regs: int = 0
 
 
 def tma_regs(n: int) -> int:

@@ -29,7 +29,7 @@
 namespace fij_mqa {
 
 template <int NEXT_N, int HEADS, int DIM, int BLOCK, typename OutT, typename EpiT, typename AccT, int WGS, int STAGES,
-          int PRODUCERS, int QBUF, int LEAN, int PAIR>
+          int PRODUCERS, int QBUF, int LEAN, int PAIR, int REGS>
 __global__ void __maxnreg__(reg_cap(WGS * 128 + 32 * PRODUCERS))
 paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS, DIM] e4m3, contiguous
                      const unsigned char* __restrict__ kv,      // [num_blocks, BLOCK * (DIM + 4)] fused pool
@@ -52,6 +52,12 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
                 "ring stages must be a multiple of the consumer warpgroups and of the producer warps");
   static_assert(!PAIR || (LEAN && STAGES % (2 * WGS) == 0 && STAGES % (2 * PRODUCERS) == 0),
                 "paired tiles: the lean loop, and whole pairs of stages per warpgroup and per producer");
+  // REGS: setmaxnreg gives each consumer thread REGS registers and the producer warpgroup
+  // (PRODUCERS == 4: whole) what is left of the block's launch allocation (a raise past
+  // what the others give back waits forever: 120 at 4 warpgroups hung the H200).
+  constexpr int kProducerRegs = (reg_cap(WGS * 128 + 32 * PRODUCERS) * (WGS + 1) - WGS * REGS) / 8 * 8;
+  static_assert(REGS == 0 || (PRODUCERS == 4 && REGS % 8 == 0 && kProducerRegs >= 24 && REGS <= 248),
+                "setmaxnreg: four producer warps, and registers that fit");
 
   extern __shared__ unsigned char smem_raw[];
   __shared__ int red[32];
@@ -70,6 +76,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   __syncthreads();  // sched is visible
   const int len = sched[2];
   if ((int)threadIdx.x >= WGS * 128) {
+    if constexpr (REGS > 0) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     const TmaTileCopy<DIM, BLOCK> copy{&kv_map, kv, base, base + L::kScales, KvPolicy::make(kv_evict_first != 0)};
     ring_produce<LEAN != 0, PAIR != 0>(meta, full0, empty0, STAGES, BLOCK, sched, copy, block_tables, bt_stride, seq_lens,
                             sl_stride, batch, (threadIdx.x - WGS * 128) >> 5, PRODUCERS);
@@ -84,7 +91,8 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   const unsigned bar_id = 1 + wg;
   constexpr int kWBytes = LaneWeights<N>::kFloats * 4;  // one weight buffer
   const unsigned qaddr0 = base + L::kQ + wg * QBUF * (N * DIM), waddr0 = base + L::kW + wg * QBUF * kWBytes;
-  constexpr bool WREG = N / 2 + N / 4 + 48 <= reg_cap(WGS * 128 + 32 * PRODUCERS);
+  if constexpr (REGS > 0) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS));
+  constexpr bool WREG = REGS > 0 ? N / 2 + N / 4 + 24 <= REGS : N / 2 + N / 4 + 48 <= reg_cap(WGS * 128 + 32 * PRODUCERS);
   WeightsReg<WREG ? N : 8> wreg;
   // The current request and buffer; pf_b: the request whose Q is in (or on its way into)
   // buffer cur ^ 1; early_b (two buffers, until the first switch): the request after the
