@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .cache import CubinCache, default_cache_root, prebuilt_roots
 from .compile import CompiledKernel, compile_cubin, compiler_identity
-from .ptxas import SharedPtx, ptx_source, ptxas_path
+from .ptxas import SharedPtx, ptxas_path
 from .render import RenderedSource, render
 from .spec import KernelSpec, sha256_hex
 
@@ -65,9 +65,7 @@ class KernelBuilder:
         need = [arch for arch in archs if self.lookup(spec, arch) is None]
         if spec.compiler != "nvrtc" or len(need) < 2 or ptxas_path() is None:
             return None
-        if len({ptx_source(arch) for arch in need}) != 1:
-            raise ValueError(f"{need} do not share one PTX")
-        return SharedPtx(render(spec, self.template_root), need)
+        return SharedPtx(render(spec, self.template_root), need)  # (refuses non-twins)
 
     def build(
         self, spec: KernelSpec, arch: str, shared: SharedPtx | None = None

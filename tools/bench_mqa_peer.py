@@ -84,11 +84,11 @@ ROWS = [
     Row("blk32", 256, 1, 64, 8192, block=32),
     Row("blk128", 256, 1, 64, 8192, block=128),
 ]
-# --sweep: forced TMA configs (warpgroups, stages, producer warps, Q buffers[, lean]) per
-# row; "l2_256": the dispatcher's config with the KV tensor map's L2 promotion at 256 bytes.
-# Every TMA row also times the dispatcher's config with the other consumer loop: "lean"
-# where the dispatcher takes the plain one, "plain" where it takes the lean one.
-# TmaConfig(..., lean, 1): paired tiles ("-pair"); ("name", MqaLogitsOptions): other options.
+# --sweep: per row, forced TMA configs (warpgroups, stages, producer warps, Q buffers[, lean[,
+# pair]]; "-pair": paired tiles) or ("name", MqaLogitsOptions) for other options (say
+# l2_promotion=256). Every TMA row also times the dispatcher's config with the other
+# consumer loop: "lean" where the dispatcher takes the plain one, "plain" (unpaired) where
+# it takes the lean one.
 T = TmaConfig
 SWEEPS: dict[str, list] = {
     "b256n2": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 2, 1, 0, 160), T(3, 12, 4, 2, 0, 0, 160)],
@@ -220,18 +220,14 @@ def ncu_calls(rows: list[Row], dg) -> None:
 
 
 def ours(
-    s: dict,
-    config: TmaConfig | None = None,
-    promotion: int = 128,
-    options: MqaLogitsOptions | None = None,
+    s: dict, config: TmaConfig | None = None, options: MqaLogitsOptions | None = None
 ) -> Callable[[], torch.Tensor]:
-    """Our call on set s; ``config`` forces a TMA config, ``promotion`` the KV tensor map's
-    L2 fill size, ``options`` replaces both (MqaLogitsOptions: each variant has its own
-    plans and replays)."""
+    """Our call on set s; ``config`` forces a TMA config, ``options`` replaces it
+    (MqaLogitsOptions: each variant has its own plans and replays)."""
     out = torch.empty(
         s["q"].shape[0] * s["q"].shape[1], mq.padded_seq_len(s["max_len"]), device="cuda"
     )
-    options = options or MqaLogitsOptions(config=config, l2_promotion=promotion)
+    options = options or MqaLogitsOptions(config=config)
     run = mq.OP.runner(options).run
     f32 = torch.float32
     args = (s["q"], s["kv"], s["w"], s["table"], s["lens"], s["max_len"], f32, f32, f32, None, out)
@@ -278,13 +274,10 @@ def run_row(row: Row, dg, reps: int, sweep: bool, probes: bool, gen: torch.Gener
         # the dispatcher's config with the other consumer loop (sm90_tma_wgmma.cuh, LEAN)
         def flipped(s: dict) -> Callable[[], torch.Tensor]:
             config = dispatcher_config(row, s)
-            return ours(s, config._replace(lean=1 - config.lean))
+            return ours(s, config._replace(lean=1 - config.lean, pair=0))
 
         sides["plain" if dispatcher_config(row, sets[0]).lean else "lean"] = flipped
     for config in SWEEPS.get(row.name, []) if sweep else []:
-        if config == "l2_256":
-            sides[config] = lambda s: ours(s, promotion=256)
-            continue
         if not isinstance(config, TmaConfig):  # (name, MqaLogitsOptions); TmaConfig is a tuple too
             sides[config[0]] = lambda s, o=config[1]: ours(s, options=o)
             continue

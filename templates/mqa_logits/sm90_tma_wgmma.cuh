@@ -225,8 +225,8 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
       sums.reduce(sc0, sc1, tig, res);
       rows_out.put(res, m.y, m.z, tig);
     };
-    // A tile of a pair whose MMA is drained and did not run on the tile's request: padding
-    // is released; otherwise switch if needed and redo the MMA.
+    // A tile whose MMA is drained and did not run on the tile's request: padding is
+    // released; otherwise switch if needed and redo the MMA.
     auto redo = [&](int s, int4 m) {
       if (m.x >= batch) {
         release_stage(empty0 + 8 * s);
@@ -241,8 +241,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
       mma(again, a_lo0 + s * (L::kVals >> 4));
       epilogue(again, s, m, false);
     };
-    // The ring position c counts tiles modulo two laps (stage c % STAGES, parity c / STAGES):
-    // one register for both.
+    // One tile at ring position c (see the loop below).
     auto one = [&](int c) {
       const int s = c >= STAGES ? c - STAGES : c;
       const unsigned da = a_lo0 + s * (L::kVals >> 4);
@@ -253,16 +252,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
       m.x = __shfl_sync(0xffffffffu, m.x, 0);
       if (m.x != q_b) {  // another request, or padding: drain, switch, redo in this branch
         tma_mma_wait<0, 0, ACC_WORDS>(acc);
-        if (m.x >= batch) {
-          release_stage(empty0 + 8 * s);
-          return;
-        }
-        switch_to(m.x);
-        db = q_desc();
-        rows_out.point(out, out_stride, q_b, tig);
-        unsigned again[ACC_WORDS];
-        mma(again, da);
-        epilogue(again, s, m, false);
+        redo(s, m);
         return;
       }
       epilogue(acc, s, m, false);
@@ -294,7 +284,9 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
       epilogue(acc0, s, m0, true);
       epilogue(acc1, s + 1, m1, false);
     };
-    // Steps of T tiles, counted down; with pairs the last step may hold one tile.
+    // Steps of T tiles, counted down; with pairs the last step may hold one tile. The ring
+    // position c counts tiles modulo two laps (stage c % STAGES, parity c / STAGES): one
+    // register for both.
     int c = T * wgu;
     const int steps = (lenu - T * wgu + T * WGS - 1) / (T * WGS);
     const bool tail = PAIR && steps > 0 && (lenu - T * wgu - 1) % (T * WGS) == 0;
