@@ -67,7 +67,7 @@ def test_prebuild_specs_cover_workloads():
     # TMA kernel, which is built for sm_90a only, in each config its small-call classes take
     # (mqa_logits_tma.tma_config).
     pairs = [(n, h) for n in workloads["next_n"] for h in workloads["num_heads"]]
-    configs = [{tma_config(n * h, small) for small in range(3)} for n, h in pairs]
+    configs = [{tma_config(n * h, small, 128, n) for small in range(3)} for n, h in pairs]
     small = sum(len(c) - 1 for c in configs) * shapes // len(pairs)
     assert small > 0
     tma = [s for s in specs if s.family == "mqa_logits_tma"]

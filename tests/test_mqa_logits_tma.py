@@ -20,12 +20,15 @@ from flashinfer_jit.mqa_logits import plan as mq_plan
 from flashinfer_jit.mqa_logits.checks import SMEM_LIMIT, STATIC_SMEM, reg_cap
 from flashinfer_jit.mqa_logits.ring import ring_family
 from flashinfer_jit.mqa_logits.tma import (
+    LEAN_REGS,
     NARROW_CONFIG,
     RING_STAGES,
     SMALL_CONFIG,
     TMA_DIMS,
+    WIDE_REGS_CONFIGS,
     TmaConfig,
     small_work,
+    stage_unit,
     tma_config,
     tma_family,
     tma_regs,
@@ -52,10 +55,10 @@ SHIPPED_N = sorted({nn * h for nn in (1, 2, 3, 4) for h in (32, 64)})
 def test_configs_fit(n, dim):
     config = tma_config(n, 0, dim)
     warpgroups, stages, producers, qbuf = config[:4]
-    assert config.lean == (dim < 128)  # where the lean loop measured faster
+    assert config.lean == (dim < 128 or config.regs > 0)  # where it measured faster
     assert stages % warpgroups == 0 and stages % producers == 0 and stages >= 2 * warpgroups
     assert tma_smem_bytes(n, dim, warpgroups, stages, qbuf) + STATIC_SMEM <= SMEM_LIMIT
-    assert tma_regs(n) <= reg_cap(128 * warpgroups + 32 * producers)
+    assert tma_regs(n) <= (config.regs or reg_cap(128 * warpgroups + 32 * producers))
 
 
 class _FakeKernel:
@@ -138,10 +141,18 @@ def test_small_calls_take_two_shallow_warpgroups():
     for n in (8, 32, 64):
         assert tma_config(n, 1) == tma_config(n, 2) == SMALL_CONFIG == TmaConfig(2, 6, 2, 2)
         assert tma_config(n) == NARROW_CONFIG == TmaConfig(3, 9, 3, 2)
-    assert tma_config(128, 1) == tma_config(128) == TmaConfig(4, 8, 4, 2)
+    assert tma_config(128, 1) == TmaConfig(4, 8, 4, 2)
+    assert tma_config(128) == TmaConfig(4, 8, 4, 2, 1, 0, LEAN_REGS)  # setmaxnreg, below
     assert tma_config(128, 2) == SMALL_CONFIG
-    for n in (192, 256):  # measured no better
-        assert tma_config(n, 1) == tma_config(n, 2) == tma_config(n)
+    assert tma_config(256, 1) == tma_config(256, 2) == tma_config(256)  # measured no better
+    assert tma_config(192, 1) == tma_config(192, 2) == TmaConfig(3, 9, 3, 2)
+    # setmaxnreg: n = 192 at head_dim 128, and the lean loop at n = 128 below it
+    assert tma_config(192, 0, 128, 3) == WIDE_REGS_CONFIGS[192] == TmaConfig(3, 12, 4, 1, 1, 0, 160)
+    assert tma_config(128, 0, 128, 4) == WIDE_REGS_CONFIGS[128] == TmaConfig(3, 12, 4, 2, 1, 0, 160)
+    assert tma_config(192, 0, 64, 3) == TmaConfig(3, 18, 3, 2)  # (measured at head_dim 128 only)
+    assert tma_config(128, 0, 64, 2) == TmaConfig(4, 20, 4, 2, 1, 0, LEAN_REGS)
+    assert tma_config(128, 0, 128, 2) == TmaConfig(4, 8, 4, 2, 1, 0, LEAN_REGS)
+    assert tma_config(128, 0, 64, 4) == TmaConfig(4, 20, 4, 2)  # the lean loop: next_n <= 2
     # Other head dims keep the bytes in flight: twice the stages at 64, half at 256; below
     # 128 the other calls at n <= 64 take four warpgroups, and the lean loop.
     assert tma_config(64, 1, 64) == TmaConfig(2, 12, 2, 2)
@@ -153,10 +164,12 @@ def test_small_calls_take_two_shallow_warpgroups():
 @pytest.mark.parametrize("n", [8, *SHIPPED_N, 256])
 def test_rings_stay_shallow(n):
     """No config queues more than RING_STAGES tiles per SM (deeper rings streamed slower)."""
-    assert all(tma_config(n, small).stages <= RING_STAGES for small in range(3))
     for dim in TMA_DIMS:  # the same bytes in flight at other head dims
         depth = max(RING_STAGES * 128 // dim, 8)
-        assert all(tma_config(n, small, dim).stages <= depth for small in range(3))
+        for small in range(3):
+            config = tma_config(n, small, dim)
+            # (a setmaxnreg config's stages come in rounds of 3 warpgroups x 4 producers)
+            assert config.stages <= max(depth, stage_unit(config.warpgroups, config.producers))
 
 
 @pytest.mark.parametrize("max_seq_len,warpgroups", [(8192, 2), (16384, 3)])
@@ -206,7 +219,7 @@ TMA_VARIANTS = {
     # setmaxnreg: 112 registers a consumer thread at 4 warpgroups, 160 at 3 (4 producer warps)
     "tma_4x8p4r": TmaConfig(4, 8, 4, 2, 0, 0, 112),
     "tma_4x8p4lr": TmaConfig(4, 8, 4, 2, 1, 0, 112),
-    "tma_3x12p4lr": TmaConfig(3, 12, 4, 2, 1, 0, 160),
+    "tma_3x12p4lr": TmaConfig(3, 0, 4, 1, 1, 0, 160),  # as many stages as fit
 }
 
 
@@ -236,10 +249,13 @@ def _skip_unfit_pair(config: TmaConfig | None, n: int) -> None:
             pytest.skip(f"two accumulator sets of next_n*heads={n} do not fit {config}")
 
 
-def _skip_unfit_regs(config: TmaConfig | None, n: int) -> None:
-    """setmaxnreg configs: 4 warpgroups at 112 registers fit n <= 128, 3 at 160 n <= 192."""
+def _skip_unfit_regs(config: TmaConfig | None, n: int, dim: int = 128) -> None:
+    """setmaxnreg configs: 4 warpgroups at 112 registers fit n <= 128, 3 at 160 n <= 192;
+    at head_dim 256 their rounds of stages (4 x 8, 3 x 4 producers) do not fit."""
     if config is not None and config.regs and n > (128 if config.warpgroups == 4 else 192):
         pytest.skip(f"next_n*heads={n} does not fit {config}")
+    if config is not None and config.regs and dim > 128:
+        pytest.skip(f"{config} does not fit head_dim {dim}")
 
 
 def _served_by_tma() -> bool:
@@ -289,7 +305,7 @@ def test_gpu_tma_other_head_dims(tma_variant, dim, next_n, heads, block_size):
     if four and (next_n * heads > 64 or dim > 64):
         pytest.skip("4 warpgroups x 16 stages fit next_n*heads <= 64 at head_dim <= 64 only")
     _skip_unfit_pair(tma_variant.config, next_n * heads)
-    _skip_unfit_regs(tma_variant.config, next_n * heads)
+    _skip_unfit_regs(tma_variant.config, next_n * heads, dim)
     lens = EDGE_LENS + [next_n - 1, 1000, 64 * 7, 3 * block_size]
     run_and_check(
         lens, device="cuda", next_n=next_n, heads=heads, dim=dim, block_size=block_size, seed=dim,

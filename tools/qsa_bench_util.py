@@ -62,7 +62,7 @@ def make_sets(
     context = max(16384, 2 * topk)
     requests = min(max(rows * n_sets, 64), 512)
     block_table = torch.randint(
-        0, blocks, (requests, context // page), dtype=torch.int32, device="cuda"
+        0, blocks, (requests, -(-context // page)), dtype=torch.int32, device="cuda"
     )
     sets = []
     for s in range(n_sets):

@@ -142,6 +142,11 @@ SMALL_CONFIG = TmaConfig(2, 6, 2, 2)  # small calls at n <= 64, and the smallest
 NARROW_CONFIG = TmaConfig(3, 9, 3, 2)  # the other calls at n <= 64
 SHORT_ROW_CONFIG = TmaConfig(4, 8, 4, 2)  # the other calls at n <= 64, head_dim < 128
 PAIRED_CONFIG = TmaConfig(3, 9, 3, 2, 1, 1)  # the other calls at n = 64, head_dim 64
+# setmaxnreg (see tma_config): the lean loop at n = 128, next_n <= 2 with 112 registers a
+# consumer thread; at next_n 3-4 (n = 128, 192), head_dim 128 (the one measured), 3
+# warpgroups at 160 with four producer warps.
+LEAN_REGS = 112
+WIDE_REGS_CONFIGS = {128: TmaConfig(3, 12, 4, 2, 1, 0, 160), 192: TmaConfig(3, 12, 4, 1, 1, 0, 160)}
 
 
 def _deeper(config: TmaConfig, n: int, dim: int) -> TmaConfig:
@@ -196,11 +201,25 @@ def tma_config(n: int, small: int = 0, dim: int = 128, next_n: int = 1) -> TmaCo
       they were not faster: head_dim 32 3 x 36 pairs 31.8 against lean 4 x 32 30.8; head_dim
       128 3 x 12 pairs 67.1 / 126.7 against 66.5 / 127.1 (B=256 / B=64 L=65536); larger n
       does not fit two accumulator sets.
+    - setmaxnreg (``regs``: the four producer warps give registers to the consumers, within
+      the block's launch allocation), round 15, two runs each. n = 128, next_n <= 2: the
+      lean loop with 112 registers, B=256 L=8192 next_n=2 head_dim 32 44.3 / 45.1 us against
+      48.1 / 48.8 (DeepGEMM 45.0 / 45.5), head_dim 64 56.3 / 54.9 against 58.6 / 59.5; head_dim
+      128 74.6 / 75.7 against 75.5 / 76.1, B=64 L=65536 137.4 / 143.9 against 140.1 / 144.1,
+      B=128 with one 128K request 47.5 / 45.8 against 45.9 / 47.8. next_n 3-4 at head_dim
+      128 (WIDE_REGS_CONFIGS, 3 warpgroups at 160): next_n=3 H=64 B=128 L=16384 94.6 / 93.9
+      against 3 x 9's 102.2 / 102.0; next_n=4 H=32 75.3 / 75.2 against 4 x 8's 78.3 / 79.5.
     """
     if (small and n <= 64) or (small >= 2 and n == 128):
         return _deeper(SMALL_CONFIG, n, dim)
     config = _sized(n, dim)
-    return config._replace(lean=1) if not small and dim < 128 and next_n <= 2 else config
+    if small or dim > 128:
+        return config
+    if next_n > 2:
+        return WIDE_REGS_CONFIGS.get(n, config) if dim == 128 else config
+    if n == 128:
+        return config._replace(lean=1, regs=LEAN_REGS)
+    return config._replace(lean=1) if dim < 128 else config
 
 
 def _sized(n: int, dim: int) -> TmaConfig:
