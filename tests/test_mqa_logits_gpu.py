@@ -92,10 +92,11 @@ def test_gpu_other_head_dims(variant, dim):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["auto", "ring_3x6", "portable", "generic"], indirect=True)
-# 700 requests: more than any kernel's threads, so the in-kernel schedule scans in chunks.
-# (300, 3000) is a large call (KV copies with the default L2 policy), (700, 300) a small one
-# (evict-first; mqa_logits_tma.small_work): each kernel runs both.
-@pytest.mark.parametrize("count,longest", [(300, 3000), (700, 300)])
+# The in-kernel schedule (util.cuh cta_tiles): 700 requests, more than any kernel's threads,
+# take its one pass with 2-3 requests a thread; 4000, more than 8 a thread, its two chunked
+# passes. (300, 3000) is a large call (KV copies with the default L2 policy), (700, 300) a
+# small one (evict-first; mqa_logits_tma.small_work): each kernel runs both.
+@pytest.mark.parametrize("count,longest", [(300, 3000), (700, 300), (4000, 20)])
 def test_gpu_many_requests(variant, count, longest):
     gen = torch.Generator().manual_seed(3)
     lens = torch.randint(0, longest, (count,), generator=gen).tolist()
