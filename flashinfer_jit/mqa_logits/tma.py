@@ -161,54 +161,31 @@ def _deeper(config: TmaConfig, n: int, dim: int) -> TmaConfig:
 
 def tma_config(n: int, small: int = 0, dim: int = 128, next_n: int = 1) -> TmaConfig:
     """The configuration for next_n*num_heads = n (``small``: the class of small_work) at
-    head_dim ``dim``.
+    head_dim ``dim``. Every rule below was measured on the H200, per call in a graph beside
+    the alternatives in the same run; the figures are in docs/perf-log/mqa_logits.md (the
+    round named).
 
-    Ring depth, measured on the H200 (per call in a graph of 8, BENCHMARKS.md, MQA round 9):
-    a ring deeper than about 10 stages queues more reads than HBM's latency needs, and
-    the calls were slower, most (8-9 %) at 47-62 tiles per SM. At n=64 with 4 warpgroups x 16
-    stages against 3 x 9: B=256 L=8192 66.3 against 64.8 us, B=64 21.6 against 19.8, B=32
-    L=16384 22.0 against 20.1; at B=32 L=8192, 2 x 22 against 2 x 6: 12.0 against 11.4.
-    Other head dims keep the bytes in flight of these depths (stages x 128 / dim).
-
+    - Ring depth (round 9): past ~10 stages of 64 tokens the ring queues more reads than
+      HBM's latency needs and calls got slower (8-9 % at 47-62 tiles per SM); other head
+      dims keep the same bytes in flight (stages x 128 / dim).
     - Small calls at n <= 64, and the smallest at n = 128: SMALL_CONFIG, two warpgroups
       with 3 stages each (half the Q loads of more warpgroups).
-    - Other calls at n <= 64: NARROW_CONFIG, three warpgroups with 9 stages (four with 8
-      read ~1 % slower). Below head_dim 128 a tile carries fewer bytes for the same
-      epilogue, and four warpgroups were faster (SHORT_ROW_CONFIG, BENCHMARKS.md, MQA round
-      10): B=256 L=8192 head_dim 32 4 x 32 stages 37.2 us against 3 x 36 40.0, head_dim 64
-      4 x 16 42.4 against 3 x 18 44.1.
-    - Larger n: the most warpgroups (at most 4) whose accumulators fit the block's register
-      cap, since the consumers are latency-bound; one producer warp per warpgroup (warp p
-      feeds warpgroup p, so one slow warpgroup does not hold up the others' stages); two Q
-      buffers (prefetch) while that leaves at least 2 ring stages per warpgroup, else one
-      (n=128: 83.7 against 88.0 us with one buffer at B=256, next_n=2, round 3); at most
-      RING_STAGES stages. n=128: 4 warpgroups x 8 stages; n=192: 3 x 9.
-    - The lean consumer loop (``lean``) for calls that are not small below head_dim 128 at
-      next_n <= 2 (at 3 and 4 its store rows spill a few registers; never timed there),
-      where it measured faster (docs/perf-log/mqa_logits.md, round 13; per call in a
-      graph, lean against plain in the same run, two runs): head_dim 32 B=256 L=8192 35.1 /
-      35.3 us against 37.4 / 37.5 (next_n=2: 48.8 / 48.5 against 50.3 / 51.3), head_dim 64
-      41.3 / 40.1 against 41.4 / 42.6 (next_n=2: 57.0 / 57.8 against 59.3 / 61.9). At
-      n=128, head_dim 128 it was slower (B=256 next_n=2 75.8 / 77.6 against 73.0 / 74.7,
-      B=64 L=65536 144.7 / 150.2 against 138.3 / 140.5). At n=192 (next_n=3 H=64 B=128
-      L=16384) it was faster, 95.3 / 98.7 against 99.4 / 103.6, but ptxas spills its loop
-      counter there: left for a version that fits. Round 14 (the lean loop's tile as an
-      inlined lambda, same instructions, other registers): head_dim 32 30.8 / 30.4 us in
-      two runs against plain 37.7 / 37.9 (DeepGEMM 30.4 / 29.7).
-    - Paired tiles (``pair``) at n = 64, head_dim 64, calls that are not small
-      (PAIRED_CONFIG: 3 warpgroups, 18 stages at head_dim 64): B=256 L=8192 38.5 us
-      against the lean 4 x 16's 41.1 (DeepGEMM 38.2), one run (round 14). Not taken where
-      they were not faster: head_dim 32 3 x 36 pairs 31.8 against lean 4 x 32 30.8; head_dim
-      128 3 x 12 pairs 67.1 / 126.7 against 66.5 / 127.1 (B=256 / B=64 L=65536); larger n
-      does not fit two accumulator sets.
-    - setmaxnreg (``regs``: the four producer warps give registers to the consumers, within
-      the block's launch allocation), round 15, two runs each. n = 128, next_n <= 2: the
-      lean loop with 112 registers, B=256 L=8192 next_n=2 head_dim 32 44.3 / 45.1 us against
-      48.1 / 48.8 (DeepGEMM 45.0 / 45.5), head_dim 64 56.3 / 54.9 against 58.6 / 59.5; head_dim
-      128 74.6 / 75.7 against 75.5 / 76.1, B=64 L=65536 137.4 / 143.9 against 140.1 / 144.1,
-      B=128 with one 128K request 47.5 / 45.8 against 45.9 / 47.8. next_n 3-4 at head_dim
-      128 (WIDE_REGS_CONFIGS, 3 warpgroups at 160): next_n=3 H=64 B=128 L=16384 94.6 / 93.9
-      against 3 x 9's 102.2 / 102.0; next_n=4 H=32 75.3 / 75.2 against 4 x 8's 78.3 / 79.5.
+    - Other calls at n <= 64: NARROW_CONFIG, 3 warpgroups x 9 stages (4 x 8 ~1 % slower);
+      below head_dim 128, where a tile carries fewer bytes for the same epilogue,
+      SHORT_ROW_CONFIG's four warpgroups (round 10: 7 % faster at head_dim 32, 4 % at 64).
+    - Larger n: the most warpgroups (at most 4) whose accumulators fit the register cap
+      (the consumers are latency-bound), one producer warp per warpgroup, two Q buffers
+      while that leaves 2 ring stages a warpgroup (round 3: 5 % faster at n=128).
+    - The lean consumer loop (``lean``) for calls that are not small below head_dim 128
+      at next_n <= 2 (rounds 13-14: 3-18 % faster than the plain loop; at next_n 3-4 its
+      store rows spill without setmaxnreg).
+    - Paired tiles (``pair``) at n = 64, head_dim 64 (PAIRED_CONFIG; round 14, level with
+      DeepGEMM, 6 % faster than lean 4 x 16); not faster at head_dim 32 or 128.
+    - setmaxnreg (``regs``: the four producer warps give registers to the consumers within
+      the block's launch allocation; round 15, two to four runs each): the lean loop with
+      112 registers at n = 128, next_n <= 2 (head_dim 32 8 %, 64 6 %, 128 1-2 % faster than
+      before), and WIDE_REGS_CONFIGS' 3 warpgroups at 160 at next_n 3-4, head_dim 128
+      (next_n=3 H=64 8 %, next_n=4 H=32 4-6 % faster).
     """
     if (small and n <= 64) or (small >= 2 and n == 128):
         return _deeper(SMALL_CONFIG, n, dim)
