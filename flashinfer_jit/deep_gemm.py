@@ -174,7 +174,9 @@ class DeepGemmLaunch:
     def __init__(self, launch: Launch, context_lens: torch.Tensor, use_schedule: bool, dense: bool):
         self.launch, self.schedule, self.replay = launch, use_schedule, dense
         self.next_n = context_lens.shape[1] if context_lens.dim() == 2 else 0
-        self.offset = 4 * (self.next_n - 1) if self.next_n else 0
+        # the newest slot's column where it lies: (next_n - 1) columns of stride(1) ints
+        # (a column-major [B, next_n] was read one int past its own column before)
+        self.offset = 4 * (self.next_n - 1) * context_lens.stride(1) if self.next_n else 0
 
     # fmt: off
     def run(self, q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,

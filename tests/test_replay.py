@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+import flashinfer_jit.deep_gemm as dg
 import flashinfer_jit.mla_kv_pack as mkp
 import flashinfer_jit.mla_kv_pack.cake as mkp_cake
 import flashinfer_jit.mla_kv_pack.op as mkp_op
@@ -273,6 +274,29 @@ def test_mqa_per_pool_arguments_once_per_address(mqa_stub, monkeypatch):
     assert [launch[2][-1] for launch in stub.launches[-3:]] == [kv2.to_bytes(8, "little")] * 2 + [
         kv.to_bytes(8, "little")
     ]
+
+
+@pytest.fixture
+def deep_gemm_stub(mqa_stub, monkeypatch):
+    """The DeepGEMM surface over mqa_stub's kernel; its replays (not a registry op's)
+    emptied after the test."""
+    monkeypatch.setattr(dg.OP, "kernel_call", lambda args: True)
+    yield mqa_stub
+    dg.OP.default.replays.clear()
+
+
+def test_deep_gemm_reads_the_newest_slot_of_2d_lens_in_place(deep_gemm_stub):
+    """The kernel reads context_lens[:, next_n - 1] where it lies, row-major lengths or
+    not (a column-major [B, next_n] was read one int past its own column before)."""
+    stub, a = deep_gemm_stub, mqa_args()
+    row_major = torch.zeros(3, 2, dtype=torch.int32)
+    column_major = torch.zeros(2, 3, dtype=torch.int32).t()
+    for lens in (row_major, column_major, row_major, column_major):
+        args = (a["q"], a["kv_fused"], a["weights"], lens, a["block_tables"], None, 200)
+        dg.fp8_paged_mqa_logits(*args)
+        launched = stub.launches[-1][2]  # q, kv, weights, table, its stride, lens, its stride
+        assert launched[5:7] == (lens.select(1, 1).data_ptr(), lens.stride(0))
+    assert len(stub.full) == 2  # one full path per layout, each replayed once
 
 
 # -- QSA ----------------------------------------------------------------------------------------
