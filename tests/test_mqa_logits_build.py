@@ -78,6 +78,24 @@ def test_prebuild_specs_cover_workloads():
     assert all("portable=False" in lbl for lbl in labels if lbl.startswith("mqa_logits["))
 
 
+def test_prebuild_skips_the_ring_kernel_where_the_tma_kernel_serves():
+    """sm_90a takes the TMA kernel at its head dims (every config it picks launches), so
+    prebuild builds the ring kernel there for the other archs only; at another head dim
+    sm_90a's ring kernel is built."""
+    from flashinfer_jit import cli
+
+    archs = ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
+    tasks = cli._tasks(["mqa_logits"], archs, None)
+    ring = {(t.spec, t.arch) for t in tasks if t.spec.family == "mqa_logits"}
+    specs = {spec for spec, _ in ring}
+    assert specs and {a for _, a in ring} == set(archs[1:])
+    f32 = (torch.float32,) * 3
+    other = ring_family.spec(ring_params((1, 64, 96, 64), f32))
+    assert mq.OP.prebuilt_on(other, "sm_90a") and mq.OP.prebuilt_on(other, "sm_100a")
+    tma = next(t.spec for t in tasks if t.spec.family == "mqa_logits_tma")
+    assert mq.OP.prebuilt_on(tma, "sm_90a") and not mq.OP.prebuilt_on(tma, "sm_100a")
+
+
 def _sass(cubin: bytes, tmp_path) -> tuple[str, str]:
     import subprocess
 
