@@ -58,8 +58,13 @@ def test_prebuild_specs_cover_workloads():
     specs = mq.OP.prebuild_specs(workloads, mq.OP.default.options)
     labels = [s.label for s in specs]
     assert any(s.family == "mqa_logits_schedule" for s in specs)
-    # every dtype triple, and bfloat16 logits over float32 (the DeepGEMM surface)
-    assert sum(s.family == "mqa_logits_generic" for s in specs) == 9
+    # the generic kernel of each dtype triple of the workloads (bfloat16 logits: DeepGEMM's)
+    triples = [(o, e, a) for o in workloads["output_dtype"] for e in workloads["epi_dtype"]
+               for a in workloads["acc_dtype"]]  # fmt: skip
+    generic = [s.label for s in specs if s.family == "mqa_logits_generic"]
+    assert generic == sorted(
+        f"mqa_logits_generic[output_dtype={o},epi_dtype={e},acc_dtype={a}]" for o, e, a in triples
+    )
     shapes = math.prod(
         len(workloads[k]) for k in ("next_n", "num_heads", "head_dim", "block_size", "output_dtype")
     )
@@ -74,7 +79,7 @@ def test_prebuild_specs_cover_workloads():
     assert len(tma) == shapes + small and all(s.archs == ("sm_90a",) for s in tma)
     assert not any(s.supports("sm_100a") for s in tma)
     assert sum(s.family == "mqa_logits_clean" for s in specs) == 2  # float32, bfloat16
-    assert len(specs) == 1 + 9 + 2 + 2 * shapes + small
+    assert len(specs) == 1 + len(triples) + 2 + 2 * shapes + small
     assert all("portable=False" in lbl for lbl in labels if lbl.startswith("mqa_logits["))
 
 
@@ -148,10 +153,10 @@ def test_kernels_compile(arch, params, tmp_path):
 def test_generic_kernel_compiles(arch, tmp_path):
     pytest.importorskip("cuda.bindings.nvrtc")
     from flashinfer_jit._jit import BUILDER
-    from flashinfer_jit.mqa_logits.generic import generic_specs
+    from flashinfer_jit.mqa_logits.generic import generic_family
     from jit_kernels import compile_cubin, render
 
-    spec = generic_specs()[0]
+    spec = generic_family.spec((torch.float16, torch.float32, torch.float32))
     compiled = compile_cubin(render(spec, BUILDER.template_root), arch)
     # Known: on sm_90a ptxas serializes the generic kernel's wgmma (C7519: its MMA sits under
     # runtime head_dim / column guards; perf-log engine, 2026-12-02). Nothing else is said.

@@ -27,7 +27,7 @@ from .._jit import cuda_device_index
 from ..contract import Options
 from .checks import kernel_smem
 from .clean import clean_specs
-from .generic import generic_plan, generic_specs
+from .generic import generic_family, generic_plan
 from .launch import KernelPlan, Launch
 from .ring import RingConfig, ring_family, ring_params
 from .schedule import SCHEDULE_THREADS, schedule_family
@@ -186,10 +186,11 @@ def launch_for(args: tuple, options: MqaLogitsOptions) -> Launch:
 
 
 def prebuild_specs(workloads: dict) -> list[KernelSpec]:
-    """Every specialization the shipped workloads reach, plus the schedule kernel."""
+    """Every specialization the shipped workloads reach, plus the schedule kernel and the
+    generic kernel of each of their dtype triples (any geometry without NVRTC)."""
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     # + DeepGEMM's clean_logits (flashinfer_jit.deep_gemm)
-    specs = {schedule_family.spec((SCHEDULE_THREADS,)), *generic_specs(), *clean_specs()}
+    specs = {schedule_family.spec((SCHEDULE_THREADS,)), *clean_specs()}
     for next_n, heads, dim, block, out_dt, epi_dt, acc_dt in itertools.product(
         workloads["next_n"],
         workloads["num_heads"],
@@ -201,6 +202,7 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
     ):
         geometry = (int(next_n), int(heads), int(dim), int(block))
         dtypes = (dtype[out_dt], dtype[epi_dt], dtype[acc_dt])
+        specs.add(generic_family.spec(dtypes))
         specs.add(ring_family.spec(ring_params(geometry, dtypes)))  # (see prebuilt_on)
         if geometry[2] in TMA_DIMS:  # sm_90a's kernels (the spec names its arch)
             for small in range(3):  # the classes of tma.small_work
