@@ -15,7 +15,7 @@ import logging
 
 from jit_kernels import I32, KernelUnavailable, sm_count
 
-from .._jit import kernel_family
+from .._jit import SM107A_TAKES_SM100A, kernel_family
 from .checks import ring_smem_bytes, ring_stages
 from .launch import KernelPlan
 from .ring import LOGITS_ARGS
@@ -31,6 +31,7 @@ generic_family = kernel_family(
     "fij_mqa::paged_mqa_logits_generic",
     ("output_dtype", "epi_dtype", "acc_dtype"),
     (*LOGITS_ARGS, I32, I32, I32, I32, I32),  # + next_n, num_heads, head_dim, block, stages
+    ptx_twins=SM107A_TAKES_SM100A,
 )
 
 

@@ -82,7 +82,7 @@ from jit_kernels import (
     shipped_smem_per_block,
 )
 
-from .._jit import kernel_family
+from .._jit import SM107A_TAKES_SM100A, kernel_family
 
 CHUNK = 16  # tokens per warp step (kChunk in templates/qsa/util.cuh)
 SLOT_THREADS = 256  # kSlotThreads in templates/qsa/sm89_slot_pass.cuh
@@ -168,6 +168,7 @@ decode_form_family = kernel_family(
     "fij_qsa::qsa_decode_form",
     (*_DECODE_PARAMS, "bulk", "tmma", "lean"),
     _DECODE_SIGNATURE,
+    ptx_twins=SM107A_TAKES_SM100A,
 )
 cluster_family = kernel_family(
     "qsa_decode_cluster",
@@ -175,6 +176,7 @@ cluster_family = kernel_family(
     "fij_qsa::qsa_decode_cluster",
     (*_DECODE_PARAMS, "cluster", "slot_cap", "bulk", "pair"),
     _DECODE_SIGNATURE,
+    ptx_twins=SM107A_TAKES_SM100A,
 )
 
 Config = tuple[int, int, int]  # (num_warps, num_stages, min_ctas)
