@@ -24,6 +24,10 @@ BUILDER = KernelBuilder(TEMPLATE_ROOT, __version__)
 # A first call that compiles also needs the compiled launcher, whose build (the C compiler,
 # ~0.3 s on an empty cache) then runs on a thread beside the kernel's compile.
 BUILDER.on_compile = native.resolve_in_background
+# sm_107a takes sm_100a's PTX in the families that declare this (ptx_twins): NVRTC 13.5 emits
+# the same PTX for both in every shipped specialization of theirs, but not of qsa_slots
+# (it loads its parameters otherwise there). tests/test_ptxas.py checks one of each.
+SM107A_TAKES_SM100A = (("sm_107a", "sm_100a"),)
 # Every family the package declares, by name (the signature test compiles each).
 FAMILIES: dict[str, KernelFamily] = {}
 
@@ -36,8 +40,11 @@ def kernel_family(
     signature: Sequence[Param],
     compiler: str = "nvrtc",
     archs: Sequence[str] = (),
+    ptx_twins: Sequence[tuple[str, str]] = (),
 ) -> KernelFamily:
-    made = KernelFamily(BUILDER, family, template, kernel, param_names, signature, compiler, archs)
+    made = KernelFamily(
+        BUILDER, family, template, kernel, param_names, signature, compiler, archs, ptx_twins
+    )
     if FAMILIES.setdefault(family, made) is not made:
         raise ValueError(f"kernel family {family!r} is declared twice")
     return made

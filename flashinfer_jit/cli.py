@@ -84,7 +84,7 @@ def _tasks(
     for name in ops or list(OPS):
         op = OPS[name]
         for spec in op.prebuild_specs(workloads[name], op.default.options):
-            tasks += [BuildTask(name, spec, arch) for arch in archs if spec.supports(arch)]
+            tasks += [BuildTask(name, spec, arch) for arch in archs if op.prebuilt_on(spec, arch)]
     return tasks
 
 

@@ -10,7 +10,8 @@ the public order) and supplies:
   but the tensors' addresses), or ``KernelUnavailable``;
 - ``reference(args)``: the torch implementation that defines the semantics;
 - ``result(args)``: what the public function returns;
-- ``prebuild_specs(workloads, options)``: the specializations the shipped workloads reach.
+- ``prebuild_specs(workloads, options)``: the specializations the shipped workloads reach
+  (``prebuilt_on``: on which archs, where the dispatcher launches some on some only).
 
 ``Runner`` is the call path, written once: replay fast path -> checks -> plan -> launch,
 or the torch path with the reason reported once (``jit_kernels.fall_back``). The replay
@@ -148,6 +149,10 @@ class Op(Generic[PlanT, OptionsT]):
 
     def prebuild_specs(self, workloads: dict, options: OptionsT) -> list[KernelSpec]:
         raise NotImplementedError
+
+    def prebuilt_on(self, spec: KernelSpec, arch: str) -> bool:
+        """Whether prebuild builds ``spec`` for ``arch``: every arch it compiles for."""
+        return spec.supports(arch)
 
     # -- shared ----------------------------------------------------------------------------
     def check_workloads(self, data: dict, where: str) -> None:

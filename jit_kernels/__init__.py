@@ -8,6 +8,7 @@ launch they repeat (a replayed plan).
 from . import cache_admin
 from .arch import (
     DEFAULT_OFFLINE_ARCHS,
+    arch_capability,
     arch_for_capability,
     capability,
     device_arch,
@@ -59,6 +60,7 @@ __all__ = [
     "LaunchError",
     "LoadedKernel",
     "RenderedSource",
+    "arch_capability",
     "arch_for_capability",
     "cache_admin",
     "capability",

@@ -57,14 +57,19 @@ def device_smem_per_block(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 
+def arch_capability(arch: str) -> tuple[int, int]:
+    """The compute capability an arch name targets: ``sm_90a`` -> (9, 0)."""
+    digits = arch.removeprefix("sm_").rstrip("af")
+    return int(digits[:-1]), int(digits[-1])
+
+
 def smem_per_block(arch: str) -> int:
     """Opt-in dynamic shared memory per block on ``arch`` (e.g. ``sm_90a``): what a launch
     config may use there."""
-    digits = arch.removeprefix("sm_").rstrip("af")
-    major, minor = int(digits[:-1]), int(digits[-1])
-    if (major, minor) not in _SMEM_PER_BLOCK:
+    cap = arch_capability(arch)
+    if cap not in _SMEM_PER_BLOCK:
         raise KeyError(f"no shared-memory limit known for {arch}")
-    return _SMEM_PER_BLOCK[(major, minor)]
+    return _SMEM_PER_BLOCK[cap]
 
 
 def shipped_smem_per_block(archs: tuple[str, ...] = DEFAULT_OFFLINE_ARCHS) -> int:

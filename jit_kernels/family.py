@@ -46,12 +46,14 @@ class KernelFamily:
         signature: Sequence[Param],
         compiler: str = "nvrtc",
         archs: Sequence[str] = (),
+        ptx_twins: Sequence[tuple[str, str]] = (),
     ):
         self.builder = builder
         self.family, self.template, self.kernel = family, template, kernel
         self.param_names = tuple(param_names)
         self.compiler = compiler
         self.archs = tuple(archs)
+        self.ptx_twins = tuple(ptx_twins)
         self.signature = tuple(signature)
         if not all(isinstance(p, Param) for p in self.signature):
             raise TypeError(f"{family}: declare the signature with jit_kernels.params types")
@@ -71,6 +73,7 @@ class KernelFamily:
             tuple(zip(self.param_names, params, strict=True)),
             self.compiler,
             self.archs,
+            self.ptx_twins,
         )
 
     def get(self, params: tuple[ParamValue, ...], device: int) -> LoadedKernel:

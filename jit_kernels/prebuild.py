@@ -70,7 +70,7 @@ def _jobs(tasks: list[BuildTask]) -> list[list[BuildTask]]:
     """The tasks by job: one spec's archs that take one PTX (ptxas.ptx_source) together."""
     jobs: dict[tuple[KernelSpec, str], list[BuildTask]] = {}
     for task in tasks:
-        jobs.setdefault((task.spec, ptx_source(task.arch)), []).append(task)
+        jobs.setdefault((task.spec, ptx_source(task.arch, task.spec)), []).append(task)
     return list(jobs.values())
 
 

@@ -5,7 +5,8 @@ optimizer (40-55 %) and ptxas (35-50 %; docs/prebuild-time.md). For sm_103a it e
 PTX it emits for sm_100a, but for the ``.target`` line and the names of internal-linkage
 constants (all 277 shipped NVRTC specializations compared, NVRTC 13.5), so ``prebuild``
 runs the first two steps once for both and ptxas once for each (``SharedPtx``). sm_107a is
-not such a twin: its PTX loads kernel parameters differently (qsa_slots).
+a twin of sm_100a only in the families that say so (``KernelSpec.ptx_twins``): NVRTC's PTX
+for it loads kernel parameters differently in some kernels (qsa_slots), not in others.
 
 Only the ptxas of NVIDIA's nvcc wheel of the installed NVRTC wheel's exact release is used:
 it gives the SASS NVRTC gives (``cuobjdump -sass`` compared per family and arch,
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from .compile import CompiledKernel, CompileError, compile_ptx
 from .render import RenderedSource
+from .spec import KernelSpec
 
 log = logging.getLogger("flashinfer_jit.jit")
 
@@ -44,9 +46,10 @@ _TARGET = re.compile(rb"^\.target\s+\S+", re.MULTILINE)
 _VERSION = re.compile(r"\bV(\d+\.\d+\.\d+)\b")
 
 
-def ptx_source(arch: str) -> str:
-    """The arch whose PTX ``arch``'s cubin is assembled from (itself unless a twin)."""
-    return PTX_TWINS.get(arch, arch)
+def ptx_source(arch: str, spec: KernelSpec | None = None) -> str:
+    """The arch whose PTX ``arch``'s cubin is assembled from (itself unless a twin, of every
+    specialization or of ``spec``'s family)."""
+    return dict(spec.ptx_twins if spec else ()).get(arch) or PTX_TWINS.get(arch, arch)
 
 
 @functools.cache
@@ -104,7 +107,7 @@ class SharedPtx:
     assembled by ptxas for each arch (``KernelBuilder.build(..., shared=)``)."""
 
     def __init__(self, rendered: RenderedSource, archs: Sequence[str]):
-        sources = {ptx_source(arch) for arch in archs}
+        sources = {ptx_source(arch, rendered.spec) for arch in archs}
         if len(sources) != 1:
             raise ValueError(f"{list(archs)} do not share one PTX")
         self.rendered, self.archs, self.source = rendered, tuple(archs), sources.pop()

@@ -43,7 +43,10 @@ class KernelSpec:
     ``__global__`` function template ``kernel``) or ``"cute"`` (``template`` is a Python
     file whose ``build(params, arch)`` compiles a CuTe-DSL kernel). ``params`` are the
     ordered template arguments. ``archs`` names the only targets the template supports
-    (e.g. ``("sm_90a",)`` for a wgmma kernel); empty means every arch.
+    (e.g. ``("sm_90a",)`` for a wgmma kernel); empty means every arch. ``ptx_twins``:
+    (arch, the arch whose PTX it takes) pairs beyond jit_kernels.ptxas.PTX_TWINS, where the
+    family found NVRTC's PTX of the two the same (prebuild then compiles it once); derived
+    from the family, so not compared.
     """
 
     family: str
@@ -52,6 +55,7 @@ class KernelSpec:
     params: tuple[tuple[str, ParamValue], ...]
     compiler: str = "nvrtc"
     archs: tuple[str, ...] = ()
+    ptx_twins: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
 
     def supports(self, arch: str) -> bool:
         return not self.archs or arch in self.archs

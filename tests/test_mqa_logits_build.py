@@ -58,8 +58,13 @@ def test_prebuild_specs_cover_workloads():
     specs = mq.OP.prebuild_specs(workloads, mq.OP.default.options)
     labels = [s.label for s in specs]
     assert any(s.family == "mqa_logits_schedule" for s in specs)
-    # every dtype triple, and bfloat16 logits over float32 (the DeepGEMM surface)
-    assert sum(s.family == "mqa_logits_generic" for s in specs) == 9
+    # the generic kernel of each dtype triple of the workloads (bfloat16 logits: DeepGEMM's)
+    triples = [(o, e, a) for o in workloads["output_dtype"] for e in workloads["epi_dtype"]
+               for a in workloads["acc_dtype"]]  # fmt: skip
+    generic = [s.label for s in specs if s.family == "mqa_logits_generic"]
+    assert generic == sorted(
+        f"mqa_logits_generic[output_dtype={o},epi_dtype={e},acc_dtype={a}]" for o, e, a in triples
+    )
     shapes = math.prod(
         len(workloads[k]) for k in ("next_n", "num_heads", "head_dim", "block_size", "output_dtype")
     )
@@ -74,8 +79,26 @@ def test_prebuild_specs_cover_workloads():
     assert len(tma) == shapes + small and all(s.archs == ("sm_90a",) for s in tma)
     assert not any(s.supports("sm_100a") for s in tma)
     assert sum(s.family == "mqa_logits_clean" for s in specs) == 2  # float32, bfloat16
-    assert len(specs) == 1 + 9 + 2 + 2 * shapes + small
+    assert len(specs) == 1 + len(triples) + 2 + 2 * shapes + small
     assert all("portable=False" in lbl for lbl in labels if lbl.startswith("mqa_logits["))
+
+
+def test_prebuild_skips_the_ring_kernel_where_the_tma_kernel_serves():
+    """sm_90a takes the TMA kernel at its head dims (every config it picks launches), so
+    prebuild builds the ring kernel there for the other archs only; at another head dim
+    sm_90a's ring kernel is built."""
+    from flashinfer_jit import cli
+
+    archs = ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
+    tasks = cli._tasks(["mqa_logits"], archs, None)
+    ring = {(t.spec, t.arch) for t in tasks if t.spec.family == "mqa_logits"}
+    specs = {spec for spec, _ in ring}
+    assert specs and {a for _, a in ring} == set(archs[1:])
+    f32 = (torch.float32,) * 3
+    other = ring_family.spec(ring_params((1, 64, 96, 64), f32))
+    assert mq.OP.prebuilt_on(other, "sm_90a") and mq.OP.prebuilt_on(other, "sm_100a")
+    tma = next(t.spec for t in tasks if t.spec.family == "mqa_logits_tma")
+    assert mq.OP.prebuilt_on(tma, "sm_90a") and not mq.OP.prebuilt_on(tma, "sm_100a")
 
 
 def _sass(cubin: bytes, tmp_path) -> tuple[str, str]:
@@ -130,10 +153,10 @@ def test_kernels_compile(arch, params, tmp_path):
 def test_generic_kernel_compiles(arch, tmp_path):
     pytest.importorskip("cuda.bindings.nvrtc")
     from flashinfer_jit._jit import BUILDER
-    from flashinfer_jit.mqa_logits.generic import generic_specs
+    from flashinfer_jit.mqa_logits.generic import generic_family
     from jit_kernels import compile_cubin, render
 
-    spec = generic_specs()[0]
+    spec = generic_family.spec((torch.float16, torch.float32, torch.float32))
     compiled = compile_cubin(render(spec, BUILDER.template_root), arch)
     # Known: on sm_90a ptxas serializes the generic kernel's wgmma (C7519: its MMA sits under
     # runtime head_dim / column guards; perf-log engine, 2026-12-02). Nothing else is said.

@@ -74,6 +74,52 @@ def test_jobs_put_twins_together():
     assert ptxas.ptx_source("sm_107a") == "sm_107a"  # its PTX differs (module docstring)
 
 
+def test_families_may_make_sm_107a_a_twin():
+    """A family that declares sm_107a its twin (ptx_twins) builds it in sm_100a's job."""
+    twins = (("sm_107a", "sm_100a"),)
+    spec = KernelSpec("f", "t.cuh", "k", (("n", 1),), ptx_twins=twins)
+    assert spec == KernelSpec("f", "t.cuh", "k", (("n", 1),))  # derived, not compared
+    archs = ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
+    jobs = [[t.arch for t in job] for job in _jobs([BuildTask("op", spec, a) for a in archs])]
+    assert jobs == [["sm_90a"], ["sm_100a", "sm_103a", "sm_107a"]]
+    assert ptxas.ptx_source("sm_107a", spec) == "sm_100a"
+
+
+def _ptx_without_names(rendered, arch: str) -> str:
+    internal = re.compile(r"_INTERNAL_\w+?_cu_[0-9a-f]+_\d+|\.target \S+")
+    return internal.sub("", compile_ptx(rendered, arch)[0].decode())
+
+
+def _sm107a_twins() -> list[KernelSpec]:
+    """The first shipped spec of each family declaring sm_107a a twin, and qsa_slots."""
+    specs = {}
+    for task in cli._tasks(None, ("sm_107a",), None):
+        if task.spec.ptx_twins or task.spec.family == "qsa_slots":
+            specs.setdefault(task.spec.family, task.spec)
+    return list(specs.values())
+
+
+@pytest.mark.parametrize("spec", _sm107a_twins(), ids=lambda s: s.family)
+def test_sm_107a_twins_take_sm_100a_ptx(spec):
+    """Where a family declares sm_107a sm_100a's twin, NVRTC's PTX of the two is the same
+    (every shipped spec compared once, docs/prebuild-time.md; one here); qsa_slots's is not,
+    so it declares nothing."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    rendered = render(spec, TEMPLATE_ROOT)
+    same = _ptx_without_names(rendered, "sm_100a") == _ptx_without_names(rendered, "sm_107a")
+    assert same == bool(spec.ptx_twins), spec.label
+    assert bool(spec.ptx_twins) == (spec.family != "qsa_slots")
+
+
+def test_ptxas_gives_sm_107a_nvrtcs_sass_from_sm_100a_ptx(tmp_path):
+    tool = _needs_ptxas()
+    spec = next(s for s in _sm107a_twins() if s.family == "qsa_decode_form")
+    rendered = render(spec, TEMPLATE_ROOT)
+    assembled = ptxas.SharedPtx(rendered, ("sm_100a", "sm_107a")).compile("sm_107a")
+    direct = compile_cubin(rendered, "sm_107a")
+    assert _sass(tool, assembled.cubin, tmp_path) == _sass(tool, direct.cubin, tmp_path)
+
+
 def test_ptxas_of_another_release_is_not_used(monkeypatch):
     ptxas.ptxas_path.cache_clear()
     monkeypatch.setattr(ptxas, "_reported_release", lambda path: "0.0.1")

@@ -335,8 +335,9 @@ def test_split_count_and_specs():
     assert {s.family for s in specs} == {"qsa_slots", "qsa_decode", "qsa_decode_cluster"}
     clusters = {s.label for s in specs if s.family == "qsa_decode_cluster"}
     # fused or not; cp.async or cp.async two chunks a step, bulk with 2 CTAs only; and the
-    # one-wave splits (fused, two chunks a step, 2..8 CTAs at two configs; 3 already counted)
-    assert len(clusters) == 2 * (2 * len(qk.CLUSTER_SIZES) + 1) + 2 * 7 - 3
+    # one-wave splits (fused, two chunks a step, 2..8 CTAs at two configs; 3 already counted);
+    # no 2- or 4-CTA two-chunk clusters without slots (past qk.MAX_SMS SMs only)
+    assert len(clusters) == 2 * (2 * len(qk.CLUSTER_SIZES) + 1) + 2 * 7 - 3 - 2
     assert len(qsa_warmup.all_specs(16, 64, 64, 1)) == 2 + 1 + 2 * len(qk.CLUSTER_SIZES)  # no bulk
 
 

@@ -165,6 +165,40 @@ def test_warmup_plans_are_what_the_dispatcher_launches(
     assert {f.spec(p).label for f, p in plans} <= prebuilt
 
 
+# SM counts of sm_90 and sm_10x parts (66-160) and beyond, up to what prebuild plans for
+SWEEP_SMS = (66, 78, 114, 132, 148, 160, 264, qk.MAX_SMS)
+# TOPK: chunk counts on each side of the splits' 8-chunk (4 when short) minimum, and past
+# the in-kernel slots of 2, 4 and 8 splits
+SWEEP_TOPK = (*(16 * c for c in (4, 7, 8, 12, 15, 16, 17, 23, 24, 31, 32, 39, 40, 47, 48)),
+              *(16 * c for c in (55, 56, 63, 64, 65)), 100, 300, 2049, 4097, 8193, 16384)  # fmt: skip
+
+
+def _reached(sms: int) -> set[str]:
+    """The cluster kernels dispatch_plans reaches on ``sms`` SMs: clusters bound by the GPCs
+    (the H200's, scaled) or by the SMs alone, every (row, kv head) pair count below the
+    larger crossover (Hkv 1: the rules see only pairs; sm_90's crossover splits a subset),
+    TOPK as SWEEP_TOPK, V after K or apart."""
+    models = (lambda k: qk.H200_WAVE_CLUSTERS[k] * sms // SMS, lambda k: sms // k)
+    seen = set()
+    for clusters in models:
+        for topk in SWEEP_TOPK:
+            for bulk in (True, False):
+                plans = qsa_warmup.dispatch_plans(16, 128, 64, 1, topk, bulk, sms, 1, clusters)
+                seen |= {f.spec(p).label for f, p in plans if f is qk.cluster_family}
+    return seen
+
+
+def test_prebuild_holds_what_devices_up_to_max_sms_reach():
+    """all_specs' clusters are exactly those reached on up to MAX_SMS SMs: it leaves out the
+    2- and 4-CTA clusters without in-kernel slots two chunks a step, whose table grids are
+    half a wave only past 512 SMs (table_pairs_unfused)."""
+    reached = set().union(*(_reached(sms) for sms in SWEEP_SMS))
+    specs = qsa_warmup.all_specs(16, 128, 64, 1)
+    assert reached == {s.label for s in specs if s.family == "qsa_decode_cluster"}
+    assert [k for k in qk.CLUSTER_SIZES if qk.table_pairs_unfused(k, qk.MAX_SMS)] == [8]
+    assert qk.table_pairs_unfused(2, 516) and qk.table_pairs_unfused(4, 520)
+
+
 def test_bulk_launch_replays_only_with_v_after_k(request, monkeypatch):
     """A bulk launch relies on V following K; a call with the same metadata but V elsewhere
     takes the full path and its cp.async launch."""

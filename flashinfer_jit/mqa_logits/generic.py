@@ -3,20 +3,20 @@ geometry (next_n, num_heads, head_dim <= 256, block_size are runtime arguments).
 
 It serves when the call's specialization cannot be built or loaded (no NVRTC, or
 ``FLASHINFER_JIT_DISABLE=1`` and the specialization is not in the cache), so ``prebuild``
-ships it for every dtype triple. See templates/mqa_logits/sm90_ring_generic.cuh.
+ships it for every dtype triple of the workloads (plan.prebuild_specs): a host without
+NVRTC serves any geometry of those dtypes with it. A call of another triple (no workload has
+it) gets its specialization compiled on first use, or without NVRTC the torch path. See
+templates/mqa_logits/sm90_ring_generic.cuh.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 
-import torch
+from jit_kernels import I32, KernelUnavailable, sm_count
 
-from jit_kernels import I32, KernelSpec, KernelUnavailable, sm_count
-
-from .._jit import kernel_family
-from .checks import FLOAT_DTYPES, ring_smem_bytes, ring_stages
+from .._jit import SM107A_TAKES_SM100A, kernel_family
+from .checks import ring_smem_bytes, ring_stages
 from .launch import KernelPlan
 from .ring import LOGITS_ARGS
 
@@ -31,6 +31,7 @@ generic_family = kernel_family(
     "fij_mqa::paged_mqa_logits_generic",
     ("output_dtype", "epi_dtype", "acc_dtype"),
     (*LOGITS_ARGS, I32, I32, I32, I32, I32),  # + next_n, num_heads, head_dim, block, stages
+    ptx_twins=SM107A_TAKES_SM100A,
 )
 
 
@@ -48,13 +49,3 @@ def generic_plan(
     threads = 128 * GENERIC_WARPGROUPS + 32
     extra = (kv_evict_first, next_n, heads, dim, block_size, stages)
     return KernelPlan(kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, extra)
-
-
-def generic_specs() -> list[KernelSpec]:
-    """The generic kernel for every (output, epilogue, accumulator) dtype triple, and the
-    bfloat16 logits of the DeepGEMM surface (float32 epilogue and accumulator)."""
-    triples = [
-        *itertools.product(FLOAT_DTYPES, repeat=3),
-        (torch.bfloat16, torch.float32, torch.float32),
-    ]
-    return [generic_family.spec(triple) for triple in triples]

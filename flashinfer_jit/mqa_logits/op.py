@@ -25,7 +25,7 @@ from .checks import (
     validate_preconditions,
 )
 from .launch import Launch
-from .plan import MqaLogitsOptions, launch_for, prebuild_specs
+from .plan import MqaLogitsOptions, launch_for, prebuild_specs, prebuilt_on
 from .reference import paged_mqa_logits_torch
 
 
@@ -104,6 +104,9 @@ class MqaLogits(Op[Launch, MqaLogitsOptions]):
 
     def prebuild_specs(self, workloads: dict, options: MqaLogitsOptions) -> list[KernelSpec]:
         return prebuild_specs(workloads)
+
+    def prebuilt_on(self, spec: KernelSpec, arch: str) -> bool:
+        return prebuilt_on(spec, arch)
 
 
 OP = MqaLogits()

@@ -13,14 +13,21 @@ from typing import Protocol
 
 import torch
 
-from jit_kernels import KernelSpec, KernelUnavailable, LoadedKernel, capability, sm_count
+from jit_kernels import (
+    KernelSpec,
+    KernelUnavailable,
+    LoadedKernel,
+    arch_capability,
+    capability,
+    sm_count,
+)
 from jit_kernels.plan_cache import PlanCache
 
 from .._jit import cuda_device_index
 from ..contract import Options
 from .checks import kernel_smem
 from .clean import clean_specs
-from .generic import generic_plan, generic_specs
+from .generic import generic_family, generic_plan
 from .launch import KernelPlan, Launch
 from .ring import RingConfig, ring_family, ring_params
 from .schedule import SCHEDULE_THREADS, schedule_family
@@ -104,6 +111,23 @@ def _tma_plan(
     return KernelPlan(kernel, grid, (threads, 1, 1), smem, (evict,), kv_map, options.pdl)
 
 
+def tma_serves(dim: int, cap: tuple[int, int]) -> bool:
+    """Whether the shipped options give a call at head dim ``dim`` on compute capability
+    ``cap`` the TMA kernel: sm_90 at TMA_DIMS."""
+    return dim in TMA_DIMS and cap == (9, 0)
+
+
+def prebuilt_on(spec: KernelSpec, arch: str) -> bool:
+    """Whether prebuild builds ``spec`` for ``arch``: not the ring kernel where the TMA kernel
+    serves its head dim. Every TMA config tma_config picks launches (its registers are
+    capped by __maxnreg__ at the block's share, its shared memory sized to fit:
+    test_configs_fit), so the ring kernel is reached there only by a forced config (tools)."""
+    ring = spec.family == ring_family.family
+    return spec.supports(arch) and not (
+        ring and tma_serves(int(spec.param_dict["head_dim"]), arch_capability(arch))
+    )
+
+
 def _specialized_plan(
     geometry, dtypes, device: int, small: int, evict: int, options: MqaLogitsOptions
 ) -> KernelPlan:
@@ -112,7 +136,7 @@ def _specialized_plan(
     forced = options.config
     tma = isinstance(forced, TmaConfig)
     # The TMA kernel serves sm_90 at its head dims unless a ring/direct config is forced.
-    if dim in TMA_DIMS and (tma or (forced is None and capability(device) == (9, 0))):
+    if (tma and dim in TMA_DIMS) or (forced is None and tma_serves(dim, capability(device))):
         try:
             return _launchable(_tma_plan(geometry, dtypes, device, small, evict, options), "TMA")
         except KernelUnavailable as exc:
@@ -162,10 +186,11 @@ def launch_for(args: tuple, options: MqaLogitsOptions) -> Launch:
 
 
 def prebuild_specs(workloads: dict) -> list[KernelSpec]:
-    """Every specialization the shipped workloads reach, plus the schedule kernel."""
+    """Every specialization the shipped workloads reach, plus the schedule kernel and the
+    generic kernel of each of their dtype triples (any geometry without NVRTC)."""
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     # + DeepGEMM's clean_logits (flashinfer_jit.deep_gemm)
-    specs = {schedule_family.spec((SCHEDULE_THREADS,)), *generic_specs(), *clean_specs()}
+    specs = {schedule_family.spec((SCHEDULE_THREADS,)), *clean_specs()}
     for next_n, heads, dim, block, out_dt, epi_dt, acc_dt in itertools.product(
         workloads["next_n"],
         workloads["num_heads"],
@@ -177,7 +202,8 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
     ):
         geometry = (int(next_n), int(heads), int(dim), int(block))
         dtypes = (dtype[out_dt], dtype[epi_dt], dtype[acc_dt])
-        specs.add(ring_family.spec(ring_params(geometry, dtypes)))
+        specs.add(generic_family.spec(dtypes))
+        specs.add(ring_family.spec(ring_params(geometry, dtypes)))  # (see prebuilt_on)
         if geometry[2] in TMA_DIMS:  # sm_90a's kernels (the spec names its arch)
             for small in range(3):  # the classes of tma.small_work
                 config = tma_config(next_n * heads, small, geometry[2], next_n)

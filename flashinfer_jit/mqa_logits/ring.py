@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from jit_kernels import I32, I64, PTR, KernelUnavailable
 
-from .._jit import kernel_family
+from .._jit import SM107A_TAKES_SM100A, kernel_family
 from .checks import launch_config, reg_cap, ring_regs, ring_stages
 
 GEOMETRY = ("next_n", "num_heads", "head_dim", "block_size")
@@ -21,6 +21,7 @@ ring_family = kernel_family(
     "fij_mqa::paged_mqa_logits",
     (*GEOMETRY, *DTYPES, "warpgroups", "stages", "portable", "ring"),
     LOGITS_ARGS,
+    ptx_twins=SM107A_TAKES_SM100A,
 )
 
 RingConfig = tuple[int, int, bool, bool]  # (warpgroups, stages, portable, ring)

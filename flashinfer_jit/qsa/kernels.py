@@ -82,7 +82,7 @@ from jit_kernels import (
     shipped_smem_per_block,
 )
 
-from .._jit import kernel_family
+from .._jit import SM107A_TAKES_SM100A, kernel_family
 
 CHUNK = 16  # tokens per warp step (kChunk in templates/qsa/util.cuh)
 SLOT_THREADS = 256  # kSlotThreads in templates/qsa/sm89_slot_pass.cuh
@@ -168,6 +168,7 @@ decode_form_family = kernel_family(
     "fij_qsa::qsa_decode_form",
     (*_DECODE_PARAMS, "bulk", "tmma", "lean"),
     _DECODE_SIGNATURE,
+    ptx_twins=SM107A_TAKES_SM100A,
 )
 cluster_family = kernel_family(
     "qsa_decode_cluster",
@@ -175,12 +176,15 @@ cluster_family = kernel_family(
     "fij_qsa::qsa_decode_cluster",
     (*_DECODE_PARAMS, "cluster", "slot_cap", "bulk", "pair"),
     _DECODE_SIGNATURE,
+    ptx_twins=SM107A_TAKES_SM100A,
 )
 
 Config = tuple[int, int, int]  # (num_warps, num_stages, min_ctas)
 Plan = tuple[KernelFamily, tuple]  # a family and its parameters
 # cluster size -> clusters of WAVE_CONFIG CTAs the device runs at once (plan.wave_clusters)
 Clusters = Callable[[int], int]
+# More SMs than any part of a shipped arch has (today at most 160): what prebuild plans for.
+MAX_SMS = 512
 # What jit_kernels.max_active_clusters answers on the H200 for WAVE_CONFIG launches of 2..8
 # CTAs (measured): the device-free stand-in of the CPU tests and tools/profile_host.py --stub.
 H200_WAVE_CLUSTERS = {2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}
@@ -224,6 +228,19 @@ def split_count(
     while k > 1 and -(-topk // CHUNK) < k * _MIN_CHUNKS_PER_SPLIT:
         k //= 2
     return k
+
+
+def table_pairs_unfused(cluster: int, sms: int) -> bool:
+    """Whether split_count's table can launch ``cluster`` CTAs without in-kernel slots two
+    chunks a step (takes_pairs: a grid of at most half a wave) on ``sms`` SMs. Without the
+    slots TOPK exceeds CLUSTER_SLOT_CAP entries a split, so no split is halved for want of
+    chunks, and the fewest pairs the table gives ``cluster`` in a TOPK bucket past that
+    size make the smallest grid (the one-wave splits always resolve their slots)."""
+    for upto, eight, four in _SPLIT_TABLE:
+        least = 1 if cluster == 8 else eight + 1 if cluster == 4 else four + 1
+        if (upto is None or upto > CLUSTER_SLOT_CAP * cluster) and 2 * cluster * least <= sms:
+            return True
+    return False
 
 
 def wave_smem_bytes(cluster: int) -> int:

@@ -17,6 +17,7 @@ from .kernels import (
     CLUSTER_PAIR_CONFIG,
     CLUSTER_SIZES,
     DECODE_MIN_PROGRAMS,
+    MAX_SMS,
     WAVE_CONFIG,
     Clusters,
     Plan,
@@ -28,6 +29,7 @@ from .kernels import (
     launch_split,
     pairs_apply,
     slot_plan,
+    table_pairs_unfused,
     takes_bulk,
 )
 from .plan import QsaOptions, bulk_ok, wave_clusters
@@ -156,7 +158,8 @@ def all_specs(
     group: int, head_dim: int, page_size: int, entries: int, tmma: bool = False, lean: bool = False
 ) -> list[KernelSpec]:
     """Every specialization the dispatcher can launch for this geometry on any cache, row
-    count and TOPK (prebuild), the single pass in the loop form ``tmma``/``lean`` pick."""
+    count and TOPK on devices of up to MAX_SMS SMs (prebuild), the single pass in the loop
+    form ``tmma``/``lean`` pick."""
     bulks = (False, True) if head_dim == 128 else (False,)
     plans = [slot_plan(page_size, order, entries) for order in (True, False)]
     for bulk in bulks:
@@ -169,7 +172,9 @@ def all_specs(
             config = default_config(head_dim, cluster, bulk)
             for fused in (True, False):
                 plans.append(decode_plan(group, head_dim, cluster, fused, bulk, config))
-                if pairs_apply(head_dim, cluster, bulk):  # small grids take it
+                # small grids take it; 2 or 4 CTAs without slots, only past MAX_SMS SMs
+                reach = fused or table_pairs_unfused(cluster, MAX_SMS)
+                if reach and pairs_apply(head_dim, cluster, bulk):
                     pairs = (cluster, fused, False, CLUSTER_PAIR_CONFIG)
                     plans.append(decode_plan(group, head_dim, *pairs, pair=True))
     # The one-wave splits (launch_split): any cluster size, as the device's GPCs decide.
