@@ -12,6 +12,7 @@ from pathlib import Path
 
 from flashinfer_jit.qsa import warmup
 from flashinfer_jit.qsa.checks import MAX_GROUP
+from flashinfer_jit.qsa.kernels import MAX_SMS, table_pairs_unfused
 from flashinfer_jit.qsa.plan import QsaOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +67,13 @@ def test_specs_are_shipped_and_bounded():
                 p.group, p.head_dim, p.page, options.slot_entries, options.tmma, options.lean
             )
         )
-    assert set(specs) <= shipped
+    # Beyond the shipped set only the sweep's forced 2- and 4-CTA splits without in-kernel
+    # slots on grids small enough to step two chunks at a time: the dispatcher never
+    # launches those (qsa.kernels.table_pairs_unfused), so prebuild leaves them to the sweep.
+    for spec in set(specs) - shipped:
+        params = spec.param_dict
+        assert params["pair"] and not params["slot_cap"] and params["cluster"] in (2, 4), spec
+        assert not table_pairs_unfused(params["cluster"], MAX_SMS)
     assert 0 < grid.triton_specs(points) <= 30
 
 
