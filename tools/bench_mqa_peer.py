@@ -86,7 +86,7 @@ ROWS = [
     Row("blk128", 256, 1, 64, 8192, block=128),
 ]
 # --sweep: per row, forced TMA configs (warpgroups, stages, producer warps, Q buffers[, lean[,
-# pair]]; "-pair": paired tiles) or ("name", MqaLogitsOptions) for other options (say
+# pair[, regs]]]; "-pair": paired tiles, "rN": N registers a consumer thread) or ("name", MqaLogitsOptions) for other options (say
 # l2_promotion=256). Every TMA row also times the dispatcher's config with the other
 # consumer loop: "lean" where the dispatcher takes the plain one, "plain" (unpaired) where
 # it takes the lean one.
