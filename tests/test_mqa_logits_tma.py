@@ -388,3 +388,20 @@ def test_probe_zero_is_the_shipped_kernel(tmp_path):
     sass = [_sass(k.cubin, tmp_path)[0] for k in (shipped, patched)]
     body = [s[s.index(".headerflags") :] for s in sass]  # past the mangled name
     assert body[0] == body[1]
+
+
+def test_bench_variants_patch_the_shipped_kernel(tmp_path):
+    """tools/bench_mqa_peer.py's VARIANTS patch anchors of the TMA template (each exactly
+    once): every variant compiles at next_n*heads = 128 with setmaxnreg, and differs from
+    the shipped kernel there (a variant that patches nothing times the shipped kernel)."""
+    bench = _tool("bench_mqa_peer")
+    probe = _tool("mqa_logits_probe")
+    f32 = torch.float32
+    params = (2, 64, 128, 64, f32, f32, f32, *tma_config(128, 0, 128, 2))
+    shipped = compile_cubin(render(tma_family.spec(params), BUILDER.template_root), "sm_90a")
+    base = _sass(shipped.cubin, tmp_path)[0]
+    for name, patches in bench.VARIANTS.items():
+        family = probe.variant(name, patches)
+        built = compile_cubin(render(family.spec(params), family.builder.template_root), "sm_90a")
+        sass = _sass(built.cubin, tmp_path)[0]
+        assert sass[sass.index(".headerflags") :] != base[base.index(".headerflags") :], name

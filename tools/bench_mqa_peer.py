@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_util import warm_gpu  # noqa: E402
-from mqa_logits_probe import probe_options  # noqa: E402
+from mqa_logits_probe import probe_options, variant  # noqa: E402
 
 import flashinfer_jit.mqa_logits as mq  # noqa: E402
 from flashinfer_jit.mqa_logits import MqaLogitsOptions  # noqa: E402
@@ -92,20 +92,37 @@ ROWS = [
 # it takes the lean one.
 T = TmaConfig
 SWEEPS: dict[str, list] = {
-    "b256n2": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 2, 1, 0, 160), T(3, 12, 4, 1, 1, 0, 160)],
-    "b64L64kn2": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 2, 1, 0, 160), T(4, 8, 4, 2, 0, 0, 112)],
-    "b128n4h32": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 2, 1, 0, 160), T(3, 12, 4, 1, 1, 0, 160)],
-    "b128n3": [T(3, 9, 3, 2), T(3, 12, 4, 1, 0, 0, 160)],
-    "skew128n2": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 2, 1, 0, 160)],
-    "d64": [T(4, 16, 4, 2, 1), T(3, 18, 3, 2, 1)],
-    "d32": [T(3, 36, 3, 2, 1), T(3, 36, 3, 2, 1, 1)],
-    "d64n2": [T(4, 20, 4, 2, 1), T(4, 12, 4, 1, 1, 0, 112), T(4, 32, 4, 2, 1, 0, 112)],
-    "d32n2": [T(4, 40, 4, 2, 1), T(3, 24, 4, 2, 1, 0, 160), T(4, 64, 4, 2, 1, 0, 112)],
-    "b256": [T(3, 12, 3, 2, 1, 1)],
-    "b64L64k": [T(3, 12, 3, 2, 1, 1)],
+    "b256n2": [T(4, 12, 4, 1, 1, 0, 112), T(4, 16, 4, 1, 1, 0, 112), T(4, 8, 4, 1, 1, 0, 112)],
+    "b64L64kn2": [T(4, 12, 4, 1, 1, 0, 112), T(4, 16, 4, 1, 1, 0, 112), T(4, 8, 4, 1, 1, 0, 112)],
+    "b128n4h32": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 1, 1, 0, 160)],
+    "b128n3": [T(3, 9, 3, 2)],
+    "skew128n2": [T(4, 12, 4, 1, 1, 0, 112), T(4, 16, 4, 1, 1, 0, 112)],
+    "d64": [T(4, 16, 4, 2, 1), T(4, 24, 4, 2, 1)],
+    "d32": [T(3, 36, 3, 2, 1), T(4, 48, 4, 2, 1)],
+    "d64n2": [T(4, 12, 4, 1, 1, 0, 112), T(4, 24, 4, 1, 1, 0, 112), T(4, 32, 4, 2, 1, 0, 112)],
+    "d32n2": [T(4, 24, 4, 1, 1, 0, 112), T(4, 64, 4, 2, 1, 0, 112)],
+    "b256": [T(3, 12, 3, 2, 1, 1), T(4, 12, 4, 2, 1), T(4, 16, 4, 2, 1)],
+    "b64L64k": [T(3, 12, 3, 2, 1, 1), T(4, 12, 4, 2, 1), T(4, 16, 4, 2, 1)],
+    "b256h32n2": [T(4, 12, 4, 2, 1), T(4, 16, 4, 2, 1)],
     "skew32": [T(3, 9, 3, 2, 1), T(4, 8, 4, 2), T(4, 8, 4, 2, 1), ("small", MqaLogitsOptions(config=T(2, 6, 2, 2)))],
     "b32": [T(4, 8, 4, 2), T(4, 8, 4, 2, 1)],
 }  # fmt: skip
+
+
+# --variants: candidate template changes (tools/mqa_logits_probe.py variant), each timed in the
+# dispatcher's config beside the shipped kernel on the rows named. Round 16: how many of the
+# weights' column groups live in registers at setmaxnreg (WeightsSplit): none (before), 12
+# or 14 of 16 (shipped) at next_n*heads = 128 and 112 registers.
+VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "wr0": (("kWBudget > 0 ? kWBudget / 4 * 2 : 0;", "0;"),),
+    "wr12": (("N > 128 ? 24 : 20;", "24;"),),
+}
+VARIANT_ROWS = ("b256n2", "b64L64kn2", "skew128n2", "d64n2", "d32n2", "b128n3")
+# Rows whose variants are also timed in a forced config (column "<variant>-<config>").
+VARIANT_CONFIGS = {
+    "d64n2": TmaConfig(4, 12, 4, 1, 1, 0, 112),
+    "d32n2": TmaConfig(4, 24, 4, 1, 1, 0, 112),
+}
 
 
 def deepgemm_supports(row: Row) -> bool:
@@ -268,7 +285,9 @@ def ours_dg_api(s: dict) -> Callable[[], torch.Tensor]:
     return lambda: fij_dg.fp8_fp4_paged_mqa_logits(*args, False, torch.float32)
 
 
-def run_row(row: Row, dg, reps: int, sweep: bool, probes: bool, gen: torch.Generator) -> dict:
+def run_row(
+    row: Row, dg, reps: int, sweep: bool, probes: bool, gen: torch.Generator, variants: bool = False
+) -> dict:
     per_set = row.batch * (0.85 * row.length + row.long) * (row.dim + 4)
     sets = [make_set(row, gen) for _ in range(int(min(8, max(2, -(-SET_BYTES // per_set)))))]
     tokens = statistics.mean(float(s["lens"].sum()) for s in sets)
@@ -293,6 +312,15 @@ def run_row(row: Row, dg, reps: int, sweep: bool, probes: bool, gen: torch.Gener
         name += ("l" if config.lean else "") + ("-pair" if config.pair else "")
         name += f"r{config.regs}" if config.regs else ""
         sides[name] = lambda s, c=config: ours(s, c)
+    for name, patches in VARIANTS.items() if variants and row.name in VARIANT_ROWS else ():
+        family = variant(name, patches)
+        sides[name] = lambda s, f=family: ours(
+            s, options=MqaLogitsOptions(config=dispatcher_config(row, s), tma_family=f)
+        )
+        if row.name in VARIANT_CONFIGS:
+            sides[f"{name}-q1"] = lambda s, f=family: ours(
+                s, options=MqaLogitsOptions(config=VARIANT_CONFIGS[row.name], tma_family=f)
+            )
     for n in (1, 2, 3) if probes and row.head_dim_fits_tma() else ():
         sides[f"probe{n}"] = lambda s, n=n: ours(
             s, options=probe_options(dispatcher_config(row, s), n)
@@ -328,6 +356,7 @@ def main() -> None:
     parser.add_argument("--rows", help="comma-separated row names (default: all)")
     parser.add_argument("--sweep", action="store_true", help="also time SWEEPS' forced configs")
     parser.add_argument("--probes", action="store_true", help="also time the timing probes")
+    parser.add_argument("--variants", action="store_true", help="also time VARIANTS")
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument("--ncu", action="store_true", help="two untimed calls a side (ncu)")
     args = parser.parse_args()
@@ -347,7 +376,7 @@ def main() -> None:
     table = []
     for row in rows:
         try:
-            res = run_row(row, dg, args.reps, args.sweep, args.probes, gen)
+            res = run_row(row, dg, args.reps, args.sweep, args.probes, gen, args.variants)
         except Exception:  # one row's failure must not lose the other rows' figures
             traceback.print_exc()
             continue

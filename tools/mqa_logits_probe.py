@@ -103,6 +103,18 @@ def probe(n: int) -> Probe:
     return Probe(_probe_family(), n)
 
 
+@functools.cache
+def variant(name: str, patches: tuple[tuple[str, str], ...]) -> KernelFamily:
+    """The TMA family built from a copy of the templates with ``patches`` (and no probe
+    parameter): a candidate change timed beside the shipped kernel in one process."""
+    root = Path(tempfile.mkdtemp(prefix="fij-variant-"))
+    atexit.register(shutil.rmtree, root, True)
+    patch_templates(root / "templates", list(patches))
+    f = tma_family
+    builder = KernelBuilder(root / "templates", f"{__version__}+{name}")
+    return KernelFamily(builder, name, f.template, f.kernel, f.param_names, f.signature)
+
+
 def probe_options(config: TmaConfig | None, n: int, pdl: bool = True) -> MqaLogitsOptions:
     """Options running the TMA kernel's probe ``n`` in ``config`` (None: the dispatcher's)."""
     return MqaLogitsOptions(config=config, pdl=pdl, tma_family=probe(n))

@@ -92,8 +92,17 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   constexpr int kWBytes = LaneWeights<N>::kFloats * 4;  // one weight buffer
   const unsigned qaddr0 = base + L::kQ + wg * QBUF * (N * DIM), waddr0 = base + L::kW + wg * QBUF * kWBytes;
   if constexpr (REGS > 0) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS));
-  constexpr bool WREG = REGS > 0 ? N / 2 + N / 4 + 24 <= REGS : N / 2 + N / 4 + 48 <= reg_cap(WGS * 128 + 32 * PRODUCERS);
-  WeightsReg<WREG ? N : 8> wreg;
+  // Weights: as many column groups in registers as the accumulators and ~20 (setmaxnreg)
+  // or ~48 registers of loop state leave room for, the rest read per tile (WeightsSplit).
+  // At n = 128 and 112 registers that is 14 of 16 groups (16 spill): against all 16 read
+  // per tile, 7-8 % faster at next_n=2 L=64K, 2-4 % at B=256 (MQA round 16); 12 groups
+  // measured no better than 14 and 6 % slower at head_dim 32. (At n = 192 and 160, ~24:
+  // 22 of 24 groups spill, 20 do not.)
+  constexpr int kLoopRegs = REGS == 0 ? 48 : N > 128 ? 24 : 20;
+  constexpr int kWBudget = (REGS > 0 ? REGS : reg_cap(WGS * 128 + 32 * PRODUCERS)) - kLoopRegs - N / 2;
+  constexpr int WR = kWBudget >= N / 4 ? N / 8 : kWBudget > 0 ? kWBudget / 4 * 2 : 0;
+  constexpr bool WREG = WR > 0;
+  WeightsSplit<N, WR> wreg;
   // The current request and buffer; pf_b: the request whose Q is in (or on its way into)
   // buffer cur ^ 1; early_b (two buffers, until the first switch): the request after the
   // first, on its way into buffer cur, in the newest cp.async group.
