@@ -3,6 +3,8 @@ scratch goes back to the allocator it came from, once, whatever the launches did
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -29,6 +31,16 @@ def test_outputs_are_torch_empty_s(shape, dtype):
         assert not got.requires_grad and got._base is None
     if first.numel():  # a new allocation each call, never a view of a shared one
         assert first.data_ptr() != second.data_ptr()
+
+
+def test_output_strides_are_torch_empty_s_for_every_small_shape():
+    """The rule output_maker relies on (an expanded proto of two or more elements is not
+    dense, so empty_like gives contiguous strides), over every shape of up to 4 dims."""
+    for shape in itertools.chain.from_iterable(
+        itertools.product([0, 1, 2, 3, 5], repeat=dims) for dims in range(5)
+    ):
+        got = output_maker(shape, torch.float32, CPU)().stride()
+        assert got == torch.empty(shape).stride(), shape
 
 
 def test_outputs_follow_the_callers_inference_mode():
