@@ -16,8 +16,9 @@ the public order) and supplies:
 ``Runner`` is the call path, written once: replay fast path -> checks -> plan -> launch,
 or the torch path with the reason reported once (``jit_kernels.fall_back``). The replay
 key and guard come from the declared tensor arguments (``jit_kernels.plan_cache``); the
-code that reads them out of a call is generated once per op, so a repeat call costs what
-a hand-written one did: a tuple display, the guard, a dict lookup and the launch.
+code that reads them out of a call is generated once per op (``contract_args``, beside
+the argument declarations), so a repeat call costs what a hand-written one did: a tuple
+display, the guard, a dict lookup and the launch.
 Each op is registered as a torch custom op with a fake (``torch.compile`` keeps it).
 """
 
