@@ -9,7 +9,7 @@ import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from jit_kernels import arch, cache, cache_admin, dispatch, family, native
+from jit_kernels import alloc, arch, cache, cache_admin, dispatch, family, native
 
 from ._jit import BUILDER, TEMPLATE_ROOT
 from ._version import __version__
@@ -25,6 +25,7 @@ VARIABLES = (
     dispatch.VALIDATE_ENV,
     native.NATIVE_ENV,
     "CC",  # the C compiler of the native launcher
+    alloc.UNCACHED_ENV,  # torch's: scratch memory then comes from torch.empty, as tensors do
 )
 
 

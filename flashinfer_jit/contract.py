@@ -16,8 +16,9 @@ the public order) and supplies:
 ``Runner`` is the call path, written once: replay fast path -> checks -> plan -> launch,
 or the torch path with the reason reported once (``jit_kernels.fall_back``). The replay
 key and guard come from the declared tensor arguments (``jit_kernels.plan_cache``); the
-code that reads them out of a call is generated once per op, so a repeat call costs what
-a hand-written one did: a tuple display, the guard, a dict lookup and the launch.
+code that reads them out of a call is generated once per op (``contract_args``, beside
+the argument declarations), so a repeat call costs what a hand-written one did: a tuple
+display, the guard, a dict lookup and the launch.
 Each op is registered as a torch custom op with a fake (``torch.compile`` keeps it).
 """
 
@@ -27,7 +28,7 @@ import dataclasses
 import functools
 import inspect
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
@@ -35,52 +36,22 @@ import torch
 from torch.compiler import is_compiling as _is_compiling  # one global, not two lookups
 
 from jit_kernels import KernelSpec, KernelUnavailable, fall_back, kernels_disabled
-from jit_kernels.plan_cache import PlanCache, absent
+from jit_kernels.plan_cache import PlanCache
 
 from . import workload_format
+from .contract_args import (
+    CALL_PATH,
+    READERS,
+    REQUIRED,
+    Arg,
+    ScalarArg,
+    TensorArg,
+    key_parts,
+    readers,
+)
 from .workload_format import Fields
 
-REQUIRED = object()  # a ScalarArg without a default
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorArg:
-    """A tensor argument. ``dense``: the kernels read it densely (a contiguous copy if not),
-    so the replay key holds its contiguity, not its strides. ``optional``: None allowed.
-    ``mutated``: an output (allocated by ``prepare`` when given as None)."""
-
-    name: str
-    dense: bool = False
-    optional: bool = False
-    mutated: bool = False
-
-    def schema(self, alias: str) -> str:
-        if self.mutated:
-            return f"Tensor({alias}!) {self.name}"
-        return f"Tensor{'?' if self.optional else ''} {self.name}"
-
-
-@dataclasses.dataclass(frozen=True)
-class ScalarArg:
-    """A scalar argument; ``schema_type`` is its torch schema type (int, float, bool, str,
-    ScalarType); ``default`` what ``Runner.call`` passes when it is not named (REQUIRED:
-    it must be). ``typed``: the replay compares its type too (True == 1 == 1.0, but the
-    checks may accept one and refuse another); not needed where only equal values of one
-    type compare equal (str, torch.dtype)."""
-
-    name: str
-    schema_type: str
-    default: Any = dataclasses.field(default_factory=lambda: REQUIRED)
-    typed: bool = True
-
-    def schema(self, alias: str) -> str:
-        default = self.default
-        if isinstance(default, bool | int | float | str) and self.schema_type != "ScalarType":
-            return f"{self.schema_type} {self.name}={default!r}"  # older callers may omit it
-        return f"{self.schema_type} {self.name}"
-
-
-Arg = TensorArg | ScalarArg
+__all__ = ["REQUIRED", "Arg", "LaunchPlan", "Op", "Options", "Runner", "ScalarArg", "TensorArg"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,71 +195,6 @@ def _writes_outputs_only(*args) -> None:  # the op writes only outputs the calle
     return None
 
 
-def _readers(args: Sequence[Arg], refs: Sequence[str]) -> tuple[str, str, dict]:
-    """(scalars, tensors, stand-ins): the expressions that read a call's replay scalars and
-    tensors (``refs``: each declared argument's expression), and the ``absent()`` stand-ins
-    they name."""
-    scalars, tensors, env = [], [], {}
-    for i, (arg, ref) in enumerate(zip(args, refs, strict=True)):
-        if isinstance(arg, ScalarArg):
-            scalars.append(f"type({ref}), {ref}" if arg.typed else ref)
-        elif arg.optional:
-            env[f"_none{i}"] = absent()  # one stand-in each: a guard refuses one twice
-            scalars.append(f"{ref} is None")
-            tensors.append(f"_none{i} if {ref} is None else {ref}")
-        else:
-            tensors.append(ref)
-    return _tuple(scalars), _tuple(tensors), env
-
-
-def _tuple(items: list[str]) -> str:
-    return f"({', '.join(items)},)" if items else "()"
-
-
-def _key_parts(args: Sequence[Arg]) -> str:
-    """The key's per-tensor parts (jit_kernels.plan_cache) of the tensors ``t``."""
-    dense = [arg.dense for arg in args if isinstance(arg, TensorArg)]
-    parts = []
-    for j, is_dense in enumerate(dense):
-        layout = "is_contiguous()" if is_dense else "stride()"
-        parts.append(f"t[{j}].shape, t[{j}].{layout}, t[{j}].dtype, t[{j}].get_device()")
-    return ", ".join(parts)
-
-
-# A runner's call path, generated per op with its argument readers inlined: a loop over
-# the declaration, or a helper call per step, would cost a repeat call ~0.1-1 us more.
-# ``{args}`` are the call's args in the declared order (``_a``'s items in ``_run``, the
-# parameters themselves in a public function); every name starts with an underscore, so
-# none is shadowed by a public function's parameter (entry).
-_PATH = """
-    if _is_compiling():
-        return _traced(({args},))
-    _s, _t = {scalars}, {tensors}
-    _plan, _k = _recall(_s, _t), None
-    if _plan is None:
-        _k = _key(_s, _t)
-        _plan = _get(_k, _t)
-    if _plan is not None:
-        _r = _plan.run({args})
-        if _r is not None:
-            return _r
-        if _k is None:  # a recalled plan declined these addresses: the full path decides
-            _k = _key(_s, _t)
-    return _full(({args},), _k, _t)
-"""
-_READERS = """
-def _inputs(_a):
-    return {scalars}, {tensors}
-
-def _key(s, t):
-    try:
-        return (s, {parts})
-    except (AttributeError, TypeError, IndexError):
-        return None
-
-def _run(_a):"""
-
-
 class Runner(Generic[PlanT, OptionsT]):
     """An op's call path with one set of options, and its replay cache.
 
@@ -296,14 +202,15 @@ class Runner(Generic[PlanT, OptionsT]):
     a call whose tensors repeat an earlier kernel call's metadata (and scalars) replays
     that call's plan with the new addresses, skipping checks and planning; any other call
     is checked, planned and launched (or served by torch) and its plan stored. ``inputs``
-    and ``key`` read a call's replay scalars, tensors and key (jit_kernels.plan_cache).
+    and ``key`` read a call's replay scalars, its key's tensors and its key
+    (jit_kernels.plan_cache).
     """
 
     def __init__(self, op: Op[PlanT, OptionsT], options: OptionsT):
         self.op, self.options = op, options
         self.replays: PlanCache[PlanT] = PlanCache()  # bound below: clear it, never replace
         refs = [f"_a[{i}]" for i in range(len(op.args))]
-        scalars, tensors, self._env = _readers(op.args, refs)
+        scalars, tensors, guarded, self._env = readers(op.args, refs)
         self._env.update(
             _is_compiling=_is_compiling,
             _traced=self._traced,
@@ -311,8 +218,9 @@ class Runner(Generic[PlanT, OptionsT]):
             _get=self.replays.get,
             _full=self._full,
         )
-        source = _READERS.format(scalars=scalars, tensors=tensors, parts=_key_parts(op.args))
-        self._exec(source + _PATH.format(args="*_a", scalars=scalars, tensors=tensors))
+        source = READERS.format(scalars=scalars, tensors=tensors, parts=key_parts(op.args))
+        path = CALL_PATH.format(args="*_a", scalars=scalars, tensors=tensors, guarded=guarded)
+        self._exec(source + path)
         self.run: Callable[[tuple], Any] = self._env["_run"]
         self.inputs: Callable[[tuple], tuple] = self._env["_inputs"]
         self.key: Callable[[tuple, tuple], tuple | None] = self._env["_key"]
@@ -346,8 +254,10 @@ class Runner(Generic[PlanT, OptionsT]):
         for name, value in fixed.items():
             self._env[f"_fixed_{fn.__name__}_{name}"] = value
         refs = [n if n in sig.parameters else f"_fixed_{fn.__name__}_{n}" for n in names]
-        scalars, tensors, _ = _readers(self.op.args, refs)  # the same stand-in names
-        path = _PATH.format(args=", ".join(refs), scalars=scalars, tensors=tensors)
+        scalars, tensors, guarded, _ = readers(self.op.args, refs)  # the same stand-ins
+        path = CALL_PATH.format(
+            args=", ".join(refs), scalars=scalars, tensors=tensors, guarded=guarded
+        )
         self._exec(f"def {fn.__name__}({', '.join(params)}):" + path)
         return functools.update_wrapper(self._env.pop(fn.__name__), fn)
 

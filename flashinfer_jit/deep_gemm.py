@@ -165,26 +165,23 @@ def _check_lens_order(context_lens: torch.Tensor) -> None:
 
 class DeepGemmLaunch:
     """A checked call's logits launch (the native op's ``Launch``), reading the lengths in
-    place: ``context_lens`` itself, or the newest slot's column of 2-D lengths (its address
-    + (next_n - 1) ints, row stride next_n: what a ``select`` view would hold, without
-    making one per call); then ``clean_logits`` when asked."""
+    place: ``context_lens`` itself, or the newest slot's column of 2-D lengths (the
+    ``Launch``'s lens_offset, (next_n - 1) * stride(1) ints on, at the lengths' row stride:
+    what a ``select`` view would hold, without making one per call); then ``clean_logits``
+    when asked. ``indices`` is always None here (prepare refuses it)."""
 
-    __slots__ = ("launch", "offset", "schedule", "next_n", "replay")
+    __slots__ = ("launch", "schedule", "replay")
 
-    def __init__(self, launch: Launch, context_lens: torch.Tensor, use_schedule: bool, dense: bool):
+    def __init__(self, launch: Launch, use_schedule: bool, dense: bool):
         self.launch, self.schedule, self.replay = launch, use_schedule, dense
-        self.next_n = context_lens.shape[1] if context_lens.dim() == 2 else 0
-        # the newest slot's column where it lies: (next_n - 1) columns of stride(1) ints
-        # (a column-major [B, next_n] was read one int past its own column before)
-        self.offset = 4 * (self.next_n - 1) * context_lens.stride(1) if self.next_n else 0
 
     # fmt: off
     def run(self, q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-            clean_logits, logits_dtype, out) -> torch.Tensor | None:
+            clean_logits, logits_dtype, out, indices) -> torch.Tensor | None:
         # fmt: on
-        logits = self.launch.launch(
-            q, kv_cache, weights, block_table, context_lens.data_ptr() + self.offset,
-            schedule_meta if self.schedule else None, out,
+        logits = self.launch.run(
+            q, kv_cache, weights, block_table, context_lens, max_context_len, logits_dtype,
+            None, None, schedule_meta if self.schedule else None, out,
         )  # fmt: skip
         if clean_logits and logits is not None:
             write_clean(logits, context_lens, q.shape[1])
@@ -210,6 +207,7 @@ class DeepGemmLogits(Op[DeepGemmLaunch, MqaLogitsOptions]):
         ScalarArg("clean_logits", "bool"),
         ScalarArg("logits_dtype", "ScalarType", typed=False),
         TensorArg("out", optional=True, mutated=True),  # always None from the public functions
+        TensorArg("indices", optional=True),  # DeepGEMM's varlen batches: refused (prepare)
     )
     options_type = MqaLogitsOptions
 
@@ -232,6 +230,8 @@ class DeepGemmLogits(Op[DeepGemmLaunch, MqaLogitsOptions]):
                 out, True)  # fmt: skip
 
     def prepare(self, args: tuple) -> tuple:
+        if args[10] is not None:
+            raise NotImplementedError(_NO_VARLEN)
         native = self.native(args)
         if validate_inputs():
             _check_lens_order(args[3])
@@ -240,7 +240,7 @@ class DeepGemmLogits(Op[DeepGemmLaunch, MqaLogitsOptions]):
         except (ValueError, TypeError) as exc:  # name the arguments as this API calls them
             raise type(exc)(_RENAMES.sub(lambda m: _NAMES[m.group(0)], str(exc))) from exc
         # The gathered pool and table (or the caller's) and the allocated logits.
-        return (args[0], native[1], args[2], args[3], native[3], *args[5:9], native[10])
+        return (args[0], native[1], args[2], args[3], native[3], *args[5:9], native[10], None)
 
     def empty(self, args: tuple) -> bool:
         return args[0].shape[0] == 0 or args[6] == 0
@@ -251,9 +251,10 @@ class DeepGemmLogits(Op[DeepGemmLaunch, MqaLogitsOptions]):
     def plan(self, args: tuple, options: MqaLogitsOptions) -> DeepGemmLaunch:
         native = self.native(args)  # prepare's args: a strided pool is already gathered
         gathered = getattr(args[1], "fij_gathered", False)
-        return DeepGemmLaunch(
-            launch_for(native, options), args[3], native[9] is not None, not gathered
-        )
+        lens = args[3]  # 2-D: the kernel reads the newest slot's column in place
+        offset = 4 * (lens.shape[1] - 1) * lens.stride(1) if lens.dim() == 2 else 0
+        launch = launch_for(native, options, offset)
+        return DeepGemmLaunch(launch, native[9] is not None, not gathered)
 
     def reference(self, args: tuple) -> None:
         MQA.reference(self.native(args))
@@ -290,10 +291,13 @@ def fp8_fp4_paged_mqa_logits(
         raise NotImplementedError(_NO_VARLEN)
     return _run(
         (_split_q(q), kv_cache, weights, context_lens, block_table, schedule_meta,
-         max_context_len, clean_logits, logits_dtype, None)
+         max_context_len, clean_logits, logits_dtype, None, None)
     )  # fmt: skip
 
 
+# The body: the contract's call path, reading the parameters directly (a repeat call
+# replays; indices given is refused by prepare, before anything is launched).
+@OP.entry(logits_dtype=torch.float32, out=None)
 def fp8_paged_mqa_logits(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -306,9 +310,3 @@ def fp8_paged_mqa_logits(
     indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DeepGEMM's ``fp8_paged_mqa_logits``: q is the FP8 tensor itself, float32 logits."""
-    if indices is not None:
-        raise NotImplementedError(_NO_VARLEN)
-    return _run(
-        (q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-         clean_logits, torch.float32, None)
-    )  # fmt: skip

@@ -25,9 +25,10 @@ plan itself re-checks, such as their alignment) are new. Two ways to a hit:
 ``scalars`` holds each scalar after its ``type`` (True == 1 == 1.0, but the checks may
 accept one and refuse another; the type first also keeps a tensor passed as a scalar from
 being compared with a number; scalars of types whose equal values share one type, such as
-str and torch.dtype, may go without it), and whether each optional tensor is None; in
-``tensors`` an optional tensor given as None is its ``absent()`` stand-in (a guard takes
-tensors only).
+str and torch.dtype, may go without it), and whether each optional tensor is None. The
+guard's ``tensors`` leave out the optional tensors given as None (the scalars, compared
+first, fix which are present, so the positions agree); the key's hold an ``absent()``
+stand-in for each (its metadata is a constant).
 
 The environment switches are read on every lookup (``os.environ`` assignments and
 ``monkeypatch.setenv`` take effect on the next call): no replay while
@@ -167,7 +168,8 @@ class PlanCache(Generic[Plan]):
 
     def recall(self, scalars: tuple, tensors: tuple) -> Plan | None:
         """The last plan found or stored, if ``scalars`` equal its scalars and ``tensors``
-        (in its order, None as its ``absent()``) pass its guard; else None (then: ``get``)."""
+        (in its order, the optional ones given as None left out) pass its guard; else None
+        (then: ``get``)."""
         # _table inlined: this is the hot path of every repeat call.
         try:
             env = os.environ._data

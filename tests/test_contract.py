@@ -292,3 +292,17 @@ def test_a_new_op_gets_the_call_path_from_its_declaration():
     out = torch.empty(4)
     op.traced(x, out, 5.0)  # the registered custom op
     assert torch.equal(out, x * 5)
+
+
+def test_the_guard_reads_the_given_tensors_of_each_none_pattern():
+    """The replay guard's tensors are the required ones and the optional ones not None, in
+    one order per None pattern (the scalars, compared first, fix the pattern)."""
+    import itertools
+
+    from flashinfer_jit.contract_args import present
+
+    source = present(["a", "b"], ["c", "d", "e"])
+    for pattern in itertools.product(*((None, name) for name in "cde")):
+        names = dict(zip("cde", pattern, strict=True), a="a", b="b")
+        want = ("a", "b", *(name for name in pattern if name is not None))
+        assert eval(source, {}, names) == want, pattern  # noqa: S307 (our own expression)

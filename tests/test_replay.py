@@ -27,7 +27,8 @@ import flashinfer_jit.qsa.launch as qsa_launch
 import flashinfer_jit.qsa.op as qsa_op
 import flashinfer_jit.qsa.plan as qsa_plan
 from flashinfer_jit.mqa_logits.launch import KernelPlan
-from jit_kernels import KernelFamily, plan_cache
+from jit_kernels import KernelFamily, LaunchError, plan_cache
+from jit_kernels.alloc import RawAllocator
 from jit_kernels.launch import merge
 
 SWITCHES = ("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", "FLASHINFER_VALIDATE_INPUTS")
@@ -276,6 +277,20 @@ def test_mqa_per_pool_arguments_once_per_address(mqa_stub, monkeypatch):
     ]
 
 
+@pytest.mark.parametrize("max_seq_len", [256, 200], ids=["whole", "view"])
+def test_mqa_replay_allocates_what_the_full_path_does(mqa_stub, max_seq_len):
+    """out=None: a replay's logits (a new allocation, or the view of one) have the full
+    path's shape, strides and dtype."""
+    stub, base = mqa_stub, dict(mqa_args(), max_seq_len=max_seq_len)
+    full = mq.fp8_paged_mqa_logits(**base)
+    replays = [mq.fp8_paged_mqa_logits(**dict(mqa_args(), max_seq_len=max_seq_len)) for _ in "ab"]
+    assert len(stub.full) == 1
+    for got in replays:
+        assert (got.shape, got.stride(), got.dtype) == (full.shape, full.stride(), full.dtype)
+        assert got.shape == (6, max_seq_len) and got.stride() == (256, 1)
+    assert len({t.data_ptr() for t in (full, *replays)}) == 3
+
+
 @pytest.fixture
 def deep_gemm_stub(mqa_stub, monkeypatch):
     """The DeepGEMM surface over mqa_stub's kernel; its replays (not a registry op's)
@@ -297,6 +312,8 @@ def test_deep_gemm_reads_the_newest_slot_of_2d_lens_in_place(deep_gemm_stub):
         launched = stub.launches[-1][2]  # q, kv, weights, table, its stride, lens, its stride
         assert launched[5:7] == (lens.select(1, 1).data_ptr(), lens.stride(0))
     assert len(stub.full) == 2  # one full path per layout, each replayed once
+    with pytest.raises(NotImplementedError, match="indices"):  # never a replay's
+        dg.fp8_paged_mqa_logits(*args, indices=torch.zeros(3, dtype=torch.int32))
 
 
 # -- QSA ----------------------------------------------------------------------------------------
@@ -402,6 +419,43 @@ def test_qsa_misaligned_replay_takes_the_full_path(qsa_stub):
     with pytest.raises(ValueError, match="misaligned"):  # the stubbed refusal lets it through
         qsa.qsa_sparse_paged_decode(**dict(base, out=out))
     assert len(stub.full) == 2
+
+
+class RecordingRaw:
+    """A raw allocator (jit_kernels.alloc) on cuda:0 that records what it hands out."""
+
+    def __init__(self):
+        self.taken, self.given = [], []
+
+    def allocator(self) -> RawAllocator:
+        def new(nbytes: int, stream: int) -> int:
+            self.taken.append(1 << 20 * (len(self.taken) + 1))
+            return self.taken[-1]
+
+        return RawAllocator(new, self.given.append, lambda: 0)
+
+
+def test_qsa_slots_are_scratch_both_launches_share_then_give_back(qsa_stub, monkeypatch):
+    """The slot pass writes and the single pass reads one buffer per call, raw from the
+    allocator (a CUDA device's path), handed back once both are enqueued: on the full
+    path, on a replay, and when a launch fails."""
+    raw = RecordingRaw()
+    monkeypatch.setattr(qsa_launch, "raw_allocator", lambda device: raw.allocator())
+    stub, base = qsa_stub, qsa_args()
+    for calls in (1, 2):  # the full path, then a replay
+        qsa.qsa_sparse_paged_decode(**base)
+        slot_pass, decode = (launch[2] for launch in stub.launches[-2:])
+        assert raw.taken[-1] in slot_pass and raw.taken[-1] in decode
+        assert raw.given == raw.taken and len(raw.taken) == calls
+    assert len(stub.full) == 1
+
+    def fail(*args, **kwargs):
+        raise LaunchError("launching fake failed")
+
+    monkeypatch.setattr(FakeKernel, "launch", fail)
+    with pytest.raises(LaunchError):
+        qsa.qsa_sparse_paged_decode(**base)
+    assert raw.given == raw.taken and len(raw.taken) == 3
 
 
 # -- concat ---------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ so the kernels take a few microseconds and the host path dominates.
 --stub (no GPU needed): CPU tensors, every kernel replaced by a stub that packs its
 arguments but does not call cuLaunchKernel, and the ops' CUDA-device tests bypassed: the
 figures are the Python overhead of each op's repeat-call path alone (through the native
-launcher's branch unless FLASHINFER_JIT_NATIVE_LAUNCH=0 or it cannot be built).
+launcher's branch unless FLASHINFER_JIT_NATIVE_LAUNCH=0 or it cannot be built; QSA's slot
+buffer through the raw-allocator branch a CUDA device takes, its allocator calls no-ops).
 --profile ROW runs cProfile over that row's calls and prints the top 25 functions by tottime.
 """
 
@@ -38,6 +39,7 @@ import flashinfer_jit.deep_gemm as deep_gemm  # noqa: E402
 from flashinfer_jit.qsa import kernels as qk  # noqa: E402
 from flashinfer_jit.registry import OPS  # noqa: E402 (every op, before install_stub)
 from jit_kernels import KernelFamily, LoadedKernel, native  # noqa: E402
+from jit_kernels.alloc import RawAllocator  # noqa: E402
 
 
 # -- the CPU stub ------------------------------------------------------------------------------
@@ -82,6 +84,9 @@ def install_stub() -> None:
         "capability": lambda device: (9, 0),
         "kv_tensor_map": lambda ptr, blocks, block_size, dim, promotion=128: bytes(128),  # TMA
         "wave_clusters": lambda device: qk.H200_WAVE_CLUSTERS.__getitem__,  # QSA's one-wave split
+        # QSA's slots: the raw path a CUDA device takes, the allocator's calls made no-ops
+        # (the allocator's own work is the same as a tensor's, and not timed here)
+        "raw_allocator": lambda device: RawAllocator(lambda n, s: 1 << 40, id, lambda: 0),
     }
     for name, module in list(sys.modules.items()):
         if name.startswith("flashinfer_jit"):

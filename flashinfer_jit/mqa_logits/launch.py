@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from jit_kernels import LoadedKernel, current_stream
+from jit_kernels.alloc import output_maker
 from jit_kernels.launch import PER_CALL
 
 
@@ -41,7 +42,7 @@ class Launch:
 
     __slots__ = (
         *("kernel", "go", "grid", "block", "smem", "extra", "kv_args", "device", "copy"),
-        *("table_stride", "lens_stride", "out_stride", "batch", "alloc", "dtype", "place"),
+        *("table_stride", "lens_stride", "lens_offset", "out_stride", "batch", "alloc"),
         *("view", "kv_memo", "replay"),
     )
 
@@ -55,7 +56,11 @@ class Launch:
         seq_lens: torch.Tensor,
         out: torch.Tensor,
         max_seq_len: int,
+        lens_offset: int = 0,
     ):
+        """``lens_offset``: bytes from the address of the lengths a call passes to the
+        lengths the kernel reads (the DeepGEMM surface passes 2-D lengths and the kernel
+        reads their newest slot's column in place: flashinfer_jit.deep_gemm)."""
         self.kernel, self.grid, self.block, self.smem = (
             plan.kernel,
             plan.grid,
@@ -66,9 +71,9 @@ class Launch:
         self.device = device
         self.copy = not (q.is_contiguous() and weights.is_contiguous())
         self.table_stride, self.lens_stride = block_tables.stride(0), seq_lens.stride(0)
-        self.out_stride, self.batch = out.stride(0), q.shape[0]
+        self.lens_offset, self.out_stride, self.batch = lens_offset, out.stride(0), q.shape[0]
         # The output a replay with out=None allocates (the full path's allocation).
-        self.alloc, self.dtype, self.place = tuple(out.shape), out.dtype, out.device
+        self.alloc = output_maker(tuple(out.shape), out.dtype, out.device)
         rows = q.shape[0] * q.shape[1]
         whole = tuple(out.shape) == (rows, max_seq_len)
         self.view = None if whole else ((rows, max_seq_len), out.stride())
@@ -89,23 +94,18 @@ class Launch:
         replay key says so) on the current stream and return the logits view of ``out``
         (None: allocated here); None, with nothing launched, when q or kv_fused is not
         16-byte aligned."""
-        return self.launch(q, kv_fused, weights, block_tables, seq_lens.data_ptr(), schedule, out)
-
-    def launch(self, q, kv_fused, weights, block_tables, lens_ptr: int,
-               schedule: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor | None:
-        """``run`` with the lengths as an address (the DeepGEMM surface reads the newest
-        slot's column of 2-D lengths in place: flashinfer_jit.deep_gemm)."""
         q_ptr, kv_ptr = q.data_ptr(), kv_fused.data_ptr()
         if (q_ptr | kv_ptr) & 15:
             return None
         if self.copy:  # the kernel reads dense q and weights rows
             q, weights = q.contiguous(), weights.contiguous()
             q_ptr = q.data_ptr()
-        if out is None:  # sizes as separate arguments: ~0.3 us faster than a tuple (CPU)
-            out = torch.empty(*self.alloc, dtype=self.dtype, device=self.place)
+        if out is None:
+            out = self.alloc()
         args = (
-            q_ptr, kv_ptr, weights.data_ptr(), block_tables.data_ptr(), lens_ptr,
-            0 if schedule is None else schedule.data_ptr(), out.data_ptr(),
+            q_ptr, kv_ptr, weights.data_ptr(), block_tables.data_ptr(),
+            seq_lens.data_ptr() + self.lens_offset, 0 if schedule is None else schedule.data_ptr(),
+            out.data_ptr(),
         )  # fmt: skip
         if self.kv_args is not None:  # per-pool arguments (the TMA kernel's tensor map)
             # They depend on the pool's address and metadata only, and this launch fixes

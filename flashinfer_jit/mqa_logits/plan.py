@@ -175,14 +175,16 @@ def kernel_plan(geometry, dtypes, device: int, small: int, options: MqaLogitsOpt
     return plan
 
 
-def launch_for(args: tuple, options: MqaLogitsOptions) -> Launch:
-    """The launch of a checked call (nothing is launched here)."""
+def launch_for(args: tuple, options: MqaLogitsOptions, lens_offset: int = 0) -> Launch:
+    """The launch of a checked call (nothing is launched here); ``lens_offset``: see
+    ``Launch``."""
     q, kv_fused, weights, block_tables, seq_lens, max_seq_len = args[:6]
     device = cuda_device_index(q)
     geometry = (q.shape[1], q.shape[2], q.shape[3], kv_fused.shape[1])
     small = small_work(q.shape[0], max_seq_len, sm_count(device))
     plan = kernel_plan(geometry, args[6:9], device, small, options)
-    return Launch(plan, device, q, weights, block_tables, seq_lens, args[10], max_seq_len)
+    out = args[10]
+    return Launch(plan, device, q, weights, block_tables, seq_lens, out, max_seq_len, lens_offset)
 
 
 def prebuild_specs(workloads: dict) -> list[KernelSpec]:

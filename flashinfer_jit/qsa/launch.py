@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from jit_kernels import LoadedKernel, current_stream
+from jit_kernels.alloc import Scratch, raw_allocator
 from jit_kernels.launch import PER_CALL, BoundLaunch
 
 LOG2E = 1.4426950408889634  # the decode takes softmax_scale * log2(e) (it uses exp2)
@@ -69,8 +70,8 @@ class DecodeLaunch:
     byte distance from k_cache to v_cache that the kernel relies on."""
 
     __slots__ = (
-        *("kernel", "grid", "block", "smem", "device", "slot_pass", "counts", "kv_gap"),
-        *("launch", "replay"),
+        *("kernel", "grid", "block", "smem", "device", "slot_pass", "slot_launch", "slots"),
+        *("counts", "kv_gap", "launch", "replay"),
     )
 
     def __init__(
@@ -92,6 +93,13 @@ class DecodeLaunch:
         q, k_cache, v_cache, logical_indices, block_table, token_to_req, out, output_gate = tensors
         self.kernel, self.grid, self.block, self.smem = kernel, grid, block, smem
         self.device, self.slot_pass, self.kv_gap, self.replay = device, slot_pass, kv_gap, True
+        # The slot pass's launch (None: nothing to launch) and its buffer, scratch memory
+        # of this call's launches (None: no buffer, the decode gets address 0).
+        self.slot_launch = None if slot_pass is None else slot_pass.launch
+        self.slots = None
+        if slot_pass is not None and slot_pass.size:
+            where = slot_pass.device
+            self.slots = Scratch(4 * slot_pass.size, where, device, raw_allocator(where))
         num_blocks, page_size, num_kv_heads, _ = k_cache.shape
         topk = logical_indices.shape[1] - 1
         self.counts = topk * logical_indices.stride(1) * 4  # the indices' last column
@@ -125,13 +133,20 @@ class DecodeLaunch:
         idx_ptr, table_ptr = logical_indices.data_ptr(), block_table.data_ptr()
         t2r_ptr = token_to_req.data_ptr()
         stream = current_stream(self.device)
-        slots, slots_ptr = None, 0  # the slots stay referenced until the decode is enqueued
-        if self.slot_pass is not None:
-            slots = self.slot_pass.run(idx_ptr, table_ptr, t2r_ptr, stream)
-            slots_ptr = slots.data_ptr()
-        params = (
-            q_ptr, k_ptr, v_ptr, slots_ptr, idx_ptr + self.counts, out_ptr, gate_ptr,
-            float(softmax_scale) * LOG2E, float(output_scale), idx_ptr, table_ptr, t2r_ptr,
-        )  # fmt: skip
-        self.launch(stream, params)
+        # The slot pass and the decode inline, not through SlotPass.run: a frame and a
+        # slots tensor less per call (its memory is the allocator's all the same, Scratch).
+        scratch, slots, held = self.slots, 0, None
+        if scratch is not None:
+            slots, held = scratch.take(stream)
+        try:
+            if self.slot_launch is not None:
+                self.slot_launch(stream, (idx_ptr, table_ptr, t2r_ptr, slots))
+            params = (
+                q_ptr, k_ptr, v_ptr, slots, idx_ptr + self.counts, out_ptr, gate_ptr,
+                float(softmax_scale) * LOG2E, float(output_scale), idx_ptr, table_ptr, t2r_ptr,
+            )  # fmt: skip
+            self.launch(stream, params)
+        finally:  # the launches are enqueued (or one failed): the buffer goes back
+            if scratch is not None:
+                scratch.give(slots, held)
         return out
