@@ -104,7 +104,8 @@ def plan_of(batch: int, geometry: tuple, max_seq_len: int, options=None):
         ((10, 0), 128, None, "mqa_logits"),  # sm_100: the portable ring
         ((9, 0), 64, None, "mqa_logits_tma"),  # SW64 panels
         ((9, 0), 256, None, "mqa_logits_tma"),  # two SW128 panels
-        ((9, 0), 96, None, "mqa_logits"),  # other head dims: the ring
+        ((9, 0), 96, None, "mqa_logits_tma"),  # three SW32 panels
+        ((9, 0), 160, None, "mqa_logits"),  # other head dims: the ring
         ((9, 0), 128, (3, 0, False, True), "mqa_logits"),  # a forced ring config
         ((9, 0), 128, TmaConfig(2, 0, 2, 1), "mqa_logits_tma"),
     ],
@@ -294,10 +295,11 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
 @pytest.mark.parametrize(
     "dim,next_n,heads,block_size",
     [(64, 1, 64, 64), (64, 2, 32, 32), (32, 2, 64, 64), (32, 1, 32, 128), (256, 1, 64, 64),
-     (256, 2, 32, 32)],
+     (256, 2, 32, 32), (96, 1, 64, 64), (96, 2, 64, 32), (96, 2, 4, 128)],
 )  # fmt: skip
 def test_gpu_tma_other_head_dims(tma_variant, dim, next_n, heads, block_size):
-    """Column panels in the 32/64-byte swizzles, and two 128-byte panels at head_dim 256."""
+    """Column panels in the 32/64-byte swizzles, two 128-byte panels at head_dim 256, three
+    32-byte panels at head_dim 96 (and its Q load's row-group order)."""
     four = tma_variant.config in (
         TMA_VARIANTS["tma_4x16p2"],
         TMA_VARIANTS["tma_4x16p4l"],

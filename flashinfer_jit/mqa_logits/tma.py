@@ -20,7 +20,15 @@ from .._jit import kernel_family
 from .checks import SMEM_LIMIT, STATIC_SMEM, TILE, reg_cap
 from .ring import LOGITS_ARGS
 
-TMA_DIMS = (32, 64, 128, 256)  # head dims the kernel serves (Panels in the template)
+TMA_DIMS = (32, 64, 96, 128, 256)  # head dims the kernel serves (Panels in the template)
+
+
+def panel_width(dim: int) -> int:
+    """Bytes of one column panel of a tile row (Panels in the template): 128 where ``dim``
+    is a multiple of 128, 64 at 64, else 32 (one panel per 32-byte k step)."""
+    return 128 if dim % 128 == 0 else 64 if dim == 64 else 32
+
+
 TMA_MAX_STAGES = 24
 
 tma_family = kernel_family(
@@ -225,7 +233,7 @@ def kv_tensor_map(
     kv_ptr: int, num_blocks: int, block_size: int, dim: int, promotion: int = 128
 ) -> bytes:
     """The 128-byte CUtensorMap of a fused pool (cached per address and geometry): boxes of
-    one column panel (min(dim, 128) bytes) x the tile's rows, in that panel's swizzle.
+    one column panel (``panel_width`` bytes) x the tile's rows, in that panel's swizzle.
     ``promotion``: the L2 fill size in bytes (128 or 256; the benchmark compares them)."""
     key = (kv_ptr, num_blocks, block_size, dim, promotion)
     found = _maps.get(key)
@@ -233,7 +241,7 @@ def kv_tensor_map(
         return found
     if num_blocks < 1:
         raise KernelUnavailable("kv_fused has no blocks: no tensor map to encode")
-    width = min(dim, 128)
+    width = panel_width(dim)
     try:
         encoded = cu.encode_tiled(
             cu.TENSOR_MAP_UINT8,

@@ -42,14 +42,15 @@ __device__ __forceinline__ void cp_async_wait_all_but_last() {  // every group b
   asm volatile("cp.async.wait_group 1;" ::: "memory");
 }
 
-// A token row of DIM bytes is stored as DIM / PANEL column panels of PANEL = min(DIM, 128)
-// bytes (the widest swizzle is 128 bytes): panel p of a tile holds bytes [p PANEL, (p + 1)
+// A token row of DIM bytes is stored as DIM / PANEL column panels of PANEL bytes: 128 (the
+// widest swizzle) where DIM is a multiple of 128, DIM at 64, else 32 (head_dim 32, 96, 160,
+// ...: one panel per 32-byte k step). Panel p of a tile holds bytes [p PANEL, (p + 1)
 // PANEL) of its rows, PANEL-byte rows in the PANEL-byte swizzle (the TMA's and wgmma's
-// SW128 / SW64 / SW32). Head dims 32, 64, 128, 256, ... (96 would need mixed panels).
+// SW128 / SW64 / SW32). Mirrored by panel_width in flashinfer_jit/mqa_logits/tma.py.
 template <int DIM>
 struct Panels {
-  static_assert(DIM == 32 || DIM == 64 || DIM % 128 == 0, "head_dim must be 32, 64 or a multiple of 128");
-  static constexpr int kWidth = DIM < 128 ? DIM : 128;  // bytes of a panel row
+  static_assert(DIM % 32 == 0, "head_dim must be a multiple of 32");
+  static constexpr int kWidth = DIM % 128 == 0 ? 128 : DIM == 64 ? 64 : 32;  // bytes of a panel row
   static constexpr int kCount = DIM / kWidth;
   // The 16-byte chunk c of panel row n lands at chunk c ^ (bits 7.. of the row's offset):
   // the swizzle pattern of width kWidth within its 8-row atom (8 * kWidth bytes).
@@ -125,11 +126,31 @@ __device__ __forceinline__ void issue_q(const unsigned char* __restrict__ q, con
                                         int b, unsigned qdst, unsigned wdst, int tid) {
   using P = Panels<DIM>;
   constexpr int kChunks = P::kWidth / 16;  // 16-byte chunks of a panel row
-  const unsigned char* src = q + (long long)b * N * DIM;
+  constexpr int kRowChunks = DIM / 16;     // of a Q row
+  if constexpr ((kRowChunks & (kRowChunks - 1)) == 0) {  // chunk by chunk
+    const unsigned char* src = q + (long long)b * N * DIM;
 #pragma unroll
-  for (int idx = tid; idx < N * DIM / 16; idx += 128) {
-    const int n = idx / (DIM / 16), c = idx % (DIM / 16);
-    cp_async_16(qdst + (c / kChunks) * (N * P::kWidth) + P::offset(n, c % kChunks), src + idx * 16);
+    for (int idx = tid; idx < N * DIM / 16; idx += 128) {
+      const int n = idx / kRowChunks, c = idx % kRowChunks;
+      cp_async_16(qdst + (c / kChunks) * (N * P::kWidth) + P::offset(n, c % kChunks), src + idx * 16);
+    }
+  } else {
+    // Head dim 96 (6 chunks a row): there the division above kept six addresses live
+    // through the consumer loop (28 more registers, spilled at 4 warpgroups). Lane c of
+    // each group of kLanes threads copies chunk c of rows n0, n0 + kRows, ...: rows kRows
+    // apart share their swizzle phase (kRows is a multiple of the 8-row atom), so both
+    // addresses are one add per row.
+    constexpr int kLanes = kRowChunks <= 8 ? 8 : 16;
+    constexpr int kRows = 128 / kLanes;
+    static_assert(kRowChunks <= 16, "Q rows per pass");
+    const int c = tid % kLanes, n0 = tid / kLanes;
+    if (c < kRowChunks) {
+      const unsigned dst = qdst + (c / kChunks) * (N * P::kWidth) + P::offset(n0, c % kChunks);
+      const unsigned char* src = q + ((long long)b * N + n0) * DIM + c * 16;
+#pragma unroll
+      for (int j = 0; j < (N + kRows - 1) / kRows; ++j)
+        if (N % kRows == 0 || n0 + j * kRows < N) cp_async_16(dst + j * kRows * P::kWidth, src + j * kRows * DIM);
+    }
   }
   // 4-byte copies: weights rows need only the alignment of a float.
   for (int n = tid; n < N; n += 128) cp_async_4(wdst + 4 * LaneWeights<N>::slot(n), weights + (long long)b * N + n);

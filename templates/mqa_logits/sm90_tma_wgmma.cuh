@@ -1,4 +1,4 @@
-// The Hopper form of the paged MQA logits kernel (sm_90a; head_dim 32, 64, 128, 256, ...,
+// The Hopper form of the paged MQA logits kernel (sm_90a; head_dim 32, 64, 96, 128, 256,
 // see Panels): both wgmma
 // operands come straight from shared memory, so a consumer warpgroup spends its issue
 // slots on the epilogue, not on moving K into registers.
