@@ -29,7 +29,6 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -38,94 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_util import warm_gpu  # noqa: E402
 from mqa_logits_probe import probe_options, variant  # noqa: E402
+from mqa_peer_rows import ROWS, SWEEPS, VARIANT_CONFIGS, VARIANT_ROWS, VARIANTS, Row  # noqa: E402
 
 import flashinfer_jit.mqa_logits as mq  # noqa: E402
 from flashinfer_jit.mqa_logits import MqaLogitsOptions  # noqa: E402
 from flashinfer_jit.mqa_logits import plan as mq_plan  # noqa: E402
-from flashinfer_jit.mqa_logits.tma import TMA_DIMS, TmaConfig, tma_config  # noqa: E402
+from flashinfer_jit.mqa_logits.tma import TmaConfig, tma_config  # noqa: E402
 
 BW = 4.24e12  # measured device-to-device copy bandwidth, bytes/s
 SET_BYTES = 240e6  # 4x the 60 MiB L2
-
-
-class Row(NamedTuple):
-    name: str
-    batch: int
-    next_n: int
-    heads: int
-    length: int
-    dim: int = 128
-    block: int = 64
-    long: int = 0  # one request of this length among the others (a skewed batch)
-
-    def head_dim_fits_tma(self) -> bool:
-        return self.dim in TMA_DIMS
-
-
-ROWS = [
-    Row("b1", 1, 1, 64, 8192),
-    Row("b32", 32, 1, 64, 8192),
-    Row("b256", 256, 1, 64, 8192),
-    Row("b256n2", 256, 2, 64, 8192),
-    Row("b64L64k", 64, 1, 64, 65536),
-    Row("b64L64kn2", 64, 2, 64, 65536),
-    Row("b256h32", 256, 1, 32, 8192),
-    Row("b256h32n2", 256, 2, 32, 8192),
-    Row("b128n4h32", 128, 4, 32, 16384),
-    Row("b128n3", 128, 3, 64, 16384),
-    Row("d64", 256, 1, 64, 8192, dim=64),
-    Row("d64n2", 256, 2, 64, 8192, dim=64),
-    Row("d32", 256, 1, 64, 8192, dim=32),
-    Row("d32n2", 256, 2, 64, 8192, dim=32),
-    Row("d256", 128, 1, 64, 8192, dim=256),
-    Row("d96", 256, 1, 64, 8192, dim=96),
-    Row("d96n2", 256, 2, 64, 8192, dim=96),
-    Row("skew32", 32, 1, 64, 4096, long=65536),
-    Row("skew128n2", 128, 2, 64, 8192, long=131072),
-    Row("b1024", 1024, 1, 64, 2048),
-    Row("blk32", 256, 1, 64, 8192, block=32),
-    Row("blk128", 256, 1, 64, 8192, block=128),
-]
-# --sweep: per row, forced TMA configs (warpgroups, stages, producer warps, Q buffers[, lean[,
-# pair[, regs]]]; "-pair": paired tiles, "rN": N registers a consumer thread) or ("name", MqaLogitsOptions) for other options (say
-# l2_promotion=256). Every TMA row also times the dispatcher's config with the other
-# consumer loop: "lean" where the dispatcher takes the plain one, "plain" (unpaired) where
-# it takes the lean one.
-T = TmaConfig
-SWEEPS: dict[str, list] = {
-    "b256n2": [T(4, 12, 4, 1, 1, 0, 112), T(4, 16, 4, 1, 1, 0, 112), T(4, 8, 4, 1, 1, 0, 112)],
-    "b64L64kn2": [T(4, 12, 4, 1, 1, 0, 112), T(4, 16, 4, 1, 1, 0, 112), T(4, 8, 4, 1, 1, 0, 112)],
-    "b128n4h32": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 1, 1, 0, 160)],
-    "b128n3": [T(3, 9, 3, 2)],
-    "skew128n2": [T(4, 12, 4, 1, 1, 0, 112), T(4, 16, 4, 1, 1, 0, 112)],
-    "d64": [T(4, 16, 4, 2, 1), T(4, 24, 4, 2, 1)],
-    "d32": [T(3, 36, 3, 2, 1), T(4, 48, 4, 2, 1)],
-    "d64n2": [T(4, 12, 4, 1, 1, 0, 112), T(4, 24, 4, 1, 1, 0, 112), T(4, 32, 4, 2, 1, 0, 112)],
-    "d32n2": [T(4, 24, 4, 1, 1, 0, 112), T(4, 64, 4, 2, 1, 0, 112)],
-    "b256": [T(3, 12, 3, 2, 1, 1), T(4, 12, 4, 2, 1), T(4, 16, 4, 2, 1)],
-    "d96": [T(4, 12, 4, 2, 1), T(3, 12, 3, 2, 1), T(3, 9, 3, 2)],
-    "d96n2": [T(4, 12, 4, 2, 1), T(4, 16, 4, 1, 1, 0, 112)],
-    "b64L64k": [T(3, 12, 3, 2, 1, 1), T(4, 12, 4, 2, 1), T(4, 16, 4, 2, 1)],
-    "b256h32n2": [T(4, 12, 4, 2, 1), T(4, 16, 4, 2, 1)],
-    "skew32": [T(3, 9, 3, 2, 1), T(4, 8, 4, 2), T(4, 8, 4, 2, 1), ("small", MqaLogitsOptions(config=T(2, 6, 2, 2)))],
-    "b32": [T(4, 8, 4, 2), T(4, 8, 4, 2, 1)],
-}  # fmt: skip
-
-
-# --variants: candidate template changes (tools/mqa_logits_probe.py variant), each timed in the
-# dispatcher's config beside the shipped kernel on the rows named. Round 16: how many of the
-# weights' column groups live in registers at setmaxnreg (WeightsSplit): none (before), 12
-# or 14 of 16 (shipped) at next_n*heads = 128 and 112 registers.
-VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
-    "wr0": (("kWBudget > 0 ? kWBudget / 4 * 2 : 0;", "0;"),),
-    "wr12": (("N > 128 ? 24 : 20;", "24;"),),
-}
-VARIANT_ROWS = ("b256n2", "b64L64kn2", "skew128n2", "d64n2", "d32n2", "b128n3")
-# Rows whose variants are also timed in a forced config (column "<variant>-<config>").
-VARIANT_CONFIGS = {
-    "d64n2": TmaConfig(4, 12, 4, 1, 1, 0, 112),
-    "d32n2": TmaConfig(4, 24, 4, 1, 1, 0, 112),
-}
 
 
 def deepgemm_supports(row: Row) -> bool:

@@ -1,0 +1,86 @@
+"""The benchmark tools' builds of the sm_90a TMA logits kernel (tools/): the trace, the
+timing probes and the template variants patch anchors of the shipped template; these tests
+keep the anchors there and the patched kernels what the tools say they are."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashinfer_jit.mqa_logits as mq
+from flashinfer_jit._jit import BUILDER
+from flashinfer_jit.mqa_logits.tma import TmaConfig, tma_config, tma_family
+from jit_kernels import compile_cubin, render
+
+from .test_mqa_logits import logits_with, make_inputs
+from .test_mqa_logits_build import _sass
+from .test_mqa_logits_tma import _sm90
+
+
+@pytest.mark.gpu
+def test_gpu_tma_probe_streams_without_writing(monkeypatch):
+    """The benchmark's streaming probe runs to completion and writes nothing."""
+    if not _sm90():
+        pytest.skip("the TMA kernel runs on sm_90 only")
+    probe = _tool("mqa_logits_probe").probe_options(TmaConfig(2, 0, 2, 2), 1)
+    q, kv, w, table, seq, max_len = make_inputs([900, 5, 0, 4000], device="cuda")
+    out = torch.full((4, mq.padded_seq_len(max_len)), float("nan"), device="cuda")
+    logits_with(probe)(q, kv, w, table, seq, max_len, out=out)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all()
+
+
+def _tool(name: str):
+    """A module of tools/ (on sys.path there, as the tools run)."""
+    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("probe", [0, 1, 2, 3])
+def test_trace_and_probe_tools_instrument_the_shipped_kernel(tmp_path, probe):
+    """tools/trace_mqa_logits.py and tools/mqa_logits_probe.py patch anchors of the TMA
+    template: they must still be there (each exactly once) and the patched kernel must
+    compile, probe 0 to the shipped kernel's SASS plus the trace's stores."""
+    family = _tool("trace_mqa_logits").traced_family(tmp_path / "templates")
+    f32 = torch.float32
+    kernel = family.spec((1, 64, 128, 64, f32, f32, f32, *tma_config(64), probe))
+    cubin = compile_cubin(render(kernel, family.builder.template_root), "sm_90a").cubin
+    assert b"fij_trace" in cubin
+
+
+def test_probe_zero_is_the_shipped_kernel(tmp_path):
+    """Probe 0 compiles to the shipped kernel's SASS (the probe patches change nothing else)."""
+    probe = _tool("mqa_logits_probe")
+    family = probe.patched_family(tmp_path / "templates", "probe_test", [])
+    f32 = torch.float32
+    params = (1, 64, 128, 64, f32, f32, f32, *tma_config(64))
+    shipped = compile_cubin(render(tma_family.spec(params), BUILDER.template_root), "sm_90a")
+    patched = compile_cubin(
+        render(family.spec((*params, 0)), family.builder.template_root), "sm_90a"
+    )
+    sass = [_sass(k.cubin, tmp_path)[0] for k in (shipped, patched)]
+    body = [s[s.index(".headerflags") :] for s in sass]  # past the mangled name
+    assert body[0] == body[1]
+
+
+def test_bench_variants_patch_the_shipped_kernel(tmp_path):
+    """tools/bench_mqa_peer.py's VARIANTS patch anchors of the TMA template (each exactly
+    once): every variant compiles at next_n*heads = 128 with setmaxnreg, and differs from
+    the shipped kernel there (a variant that patches nothing times the shipped kernel)."""
+    bench = _tool("bench_mqa_peer")
+    probe = _tool("mqa_logits_probe")
+    f32 = torch.float32
+    params = (2, 64, 128, 64, f32, f32, f32, *tma_config(128, 0, 128, 2))
+    shipped = compile_cubin(render(tma_family.spec(params), BUILDER.template_root), "sm_90a")
+    base = _sass(shipped.cubin, tmp_path)[0]
+    for name, patches in bench.VARIANTS.items():
+        family = probe.variant(name, patches)
+        built = compile_cubin(render(family.spec(params), family.builder.template_root), "sm_90a")
+        sass = _sass(built.cubin, tmp_path)[0]
+        assert sass[sass.index(".headerflags") :] != base[base.index(".headerflags") :], name
