@@ -178,6 +178,20 @@ def test_dispatch_plans_small_calls_apart(picked, monkeypatch, max_seq_len, warp
     assert plan.extra == (int(warpgroups == 3),)
 
 
+@pytest.mark.parametrize("max_seq_len", [8192, 65536])
+@pytest.mark.parametrize("evict", [True, False])
+def test_options_set_the_kv_policy(picked, monkeypatch, max_seq_len, evict):
+    """``kv_evict_first`` overrides the dispatcher's KV policy, small call or not; the config
+    stays the dispatcher's."""
+    got, _ = picked
+    monkeypatch.setattr(mq_plan, "capability", lambda device: (9, 0))
+    default = plan_of(32, (1, 64, 128, 64), max_seq_len)
+    config = got[-1][1]
+    plan = plan_of(32, (1, 64, 128, 64), max_seq_len, MqaLogitsOptions(kv_evict_first=evict))
+    assert plan.extra == (int(evict),) and got[-1][1] == config
+    assert default.extra == (int(max_seq_len == 8192),)
+
+
 def test_dispatch_falls_back_to_the_ring_when_the_tma_kernel_is_missing(picked, monkeypatch):
     got, tma_missing = picked
     tma_missing()

@@ -105,11 +105,14 @@ def add_shape_args(parser: argparse.ArgumentParser, batch: int) -> None:
     parser.add_argument("--length", type=int, default=8192)
 
 
-def make_set(batch, next_n, heads, length, block, gen, device="cuda", shuffle=True):
+def make_set(batch, next_n, heads, length, block, gen, device="cuda", shuffle=True, long=0):
+    """One input set; ``long``: one request of that length among the others (skewed)."""
     lens = torch.randint(int(0.7 * length), length + 1, (batch,), generator=gen, dtype=torch.int32)
+    if long:
+        lens[int(torch.randint(0, batch, (1,), generator=gen))] = long
     need = (lens + block - 1) // block
     num_blocks = int(need.sum())
-    width = mq.min_block_table_width(length, block)
+    width = mq.min_block_table_width(max(length, long), block)
     perm = (torch.randperm(num_blocks, generator=gen) if shuffle else torch.arange(num_blocks)).to(
         torch.int32
     )

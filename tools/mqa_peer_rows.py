@@ -57,23 +57,29 @@ ROWS = [
 # consumer loop: "lean" where the dispatcher takes the plain one, "plain" (unpaired) where
 # it takes the lean one.
 T = TmaConfig
+EVICT = ("evict", MqaLogitsOptions(kv_evict_first=True))  # the dispatcher's config, KV evict-first
 SWEEPS: dict[str, list] = {
-    "b256n2": [T(4, 12, 4, 1, 1, 0, 112), T(4, 16, 4, 1, 1, 0, 112), T(4, 8, 4, 1, 1, 0, 112)],
-    "b64L64kn2": [T(4, 12, 4, 1, 1, 0, 112), T(4, 16, 4, 1, 1, 0, 112), T(4, 8, 4, 1, 1, 0, 112)],
+    # Round 16: one Q buffer and 8-16 stages at next_n*heads = 128 (no faster than 4 x 8 q2).
+    "b256n2": [T(4, 8, 4, 1, 1, 0, 112), T(4, 12, 4, 1, 1, 0, 112)],
+    "b64L64kn2": [T(4, 8, 4, 1, 1, 0, 112), T(4, 12, 4, 1, 1, 0, 112)],
     "b128n4h32": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 1, 1, 0, 160)],
     "b128n3": [T(3, 9, 3, 2)],
-    "skew128n2": [T(4, 12, 4, 1, 1, 0, 112), T(4, 16, 4, 1, 1, 0, 112)],
     "d64": [T(4, 16, 4, 2, 1), T(4, 24, 4, 2, 1)],
     "d32": [T(3, 36, 3, 2, 1), T(4, 48, 4, 2, 1)],
-    "d64n2": [T(4, 12, 4, 1, 1, 0, 112), T(4, 24, 4, 1, 1, 0, 112), T(4, 32, 4, 2, 1, 0, 112)],
+    "d64n2": [T(4, 12, 4, 1, 1, 0, 112), T(4, 32, 4, 2, 1, 0, 112)],
     "d32n2": [T(4, 24, 4, 1, 1, 0, 112), T(4, 64, 4, 2, 1, 0, 112)],
-    "b256": [T(3, 12, 3, 2, 1, 1), T(4, 12, 4, 2, 1), T(4, 16, 4, 2, 1)],
-    "d96": [T(4, 12, 4, 2, 1), T(3, 12, 3, 2, 1), T(3, 9, 3, 2)],
+    "d96": [T(4, 12, 4, 2, 1), T(3, 9, 3, 2)],
     "d96n2": [T(4, 12, 4, 2, 1), T(4, 16, 4, 1, 1, 0, 112)],
-    "b64L64k": [T(3, 12, 3, 2, 1, 1), T(4, 12, 4, 2, 1), T(4, 16, 4, 2, 1)],
-    "b256h32n2": [T(4, 12, 4, 2, 1), T(4, 16, 4, 2, 1)],
-    "skew32": [T(3, 9, 3, 2, 1), T(4, 8, 4, 2), T(4, 8, 4, 2, 1), ("small", MqaLogitsOptions(config=T(2, 6, 2, 2)))],
-    "b32": [T(4, 8, 4, 2), T(4, 8, 4, 2, 1)],
+    "b256h32n2": [T(4, 12, 4, 2, 1)],
+    # The KV stream's L2 policy against the dispatcher's (evict-first for small calls only):
+    # the skewed B=32 row is not small for the host (max_seq_len bounds it) though it has
+    # 21 tiles an SM.
+    "skew32": [T(3, 9, 3, 2, 1), T(4, 8, 4, 2), ("small", MqaLogitsOptions(config=T(2, 6, 2, 2))), EVICT,
+               ("small-evict", MqaLogitsOptions(config=T(2, 6, 2, 2), kv_evict_first=True))],
+    "skew128n2": [EVICT],
+    "b32": [T(4, 8, 4, 2), ("no-evict", MqaLogitsOptions(kv_evict_first=False))],
+    "b256": [T(3, 12, 3, 2, 1, 1), EVICT],
+    "b64L64k": [T(3, 12, 3, 2, 1, 1), EVICT],
 }  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """Per-CTA timeline of the sm_90a MQA logits kernel (the TMA form): where a call's time goes.
 
     python tools/trace_mqa_logits.py [--batch 32] [--next-n 1] [--heads 64] [--length 8192]
-                                     [--runs 3]
+                                     [--long 65536] [--runs 3]
 
 Builds a traced copy of the kernel: the templates copied to a temporary directory with
 %globaltimer / %clock64 / %smid stores patched into mqa_logits/sm90_tma_wgmma.cuh (each patch anchor
@@ -88,11 +88,16 @@ def _spread(values) -> str:
 
 
 # size: one traced run and its report, in the order the report prints
-def trace_call(family: KernelFamily, shape: tuple, seed: int, probe: int) -> dict[int, float]:
-    """Trace one graph of 8 calls; print its phases; return {SM: first tile -> end, µs}."""
+def trace_call(
+    family: KernelFamily, shape: tuple, seed: int, probe: int, long: int = 0
+) -> dict[int, float]:
+    """Trace one graph of 8 calls; print its phases; return {SM: first tile -> end, µs}.
+    ``long``: one request of that length in each set (a skewed batch)."""
     batch, next_n, heads, length = shape
     gen = torch.Generator().manual_seed(seed)
-    sets = [bench.make_set(batch, next_n, heads, length, 64, gen) for _ in range(8)]
+    sets = [bench.make_set(batch, next_n, heads, length, 64, gen, long=long) for _ in range(8)]
+    length = max(length, long)  # the calls' max_seq_len
+    shape = (batch, next_n, heads, length)
     try:
         variant = ("probe", probe, None) if probe else None
         bench.set_variant(variant, shape)
@@ -179,6 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     bench.add_shape_args(parser, batch=32)
     parser.add_argument("--runs", type=int, default=1, help="runs, each with new inputs")
+    parser.add_argument("--long", type=int, default=0, help="one request of this length (skewed)")
     parser.add_argument(
         "--probe", type=int, default=0, help="trace the kernel's timing probe (1: streaming only)"
     )
@@ -187,7 +193,9 @@ def main() -> None:
     bench.warm_gpu()
     with tempfile.TemporaryDirectory() as tmp:
         family = traced_family(Path(tmp) / "templates")
-        per_sm = [trace_call(family, shape, seed, args.probe) for seed in range(args.runs)]
+        per_sm = [
+            trace_call(family, shape, seed, args.probe, args.long) for seed in range(args.runs)
+        ]
     for i in range(1, len(per_sm)):
         rho = _rank_correlation(per_sm[0], per_sm[i])
         print(f"rank correlation of the SMs' first-tile-to-end times, run 0 vs run {i}: {rho:.2f}")

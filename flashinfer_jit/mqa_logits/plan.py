@@ -63,13 +63,15 @@ class MqaLogitsOptions(Options):
     the previous kernel's tail; it waits for that kernel's results before reading anything).
     ``tma_family``: another build of the TMA kernel with its parameters (an instrumented one
     or a timing probe, tools/). ``l2_promotion``: the KV tensor map's L2 fill size in bytes
-    (tma.kv_tensor_map)."""
+    (tma.kv_tensor_map). ``kv_evict_first``: the KV stream's L2 policy (None: evict-first
+    for small calls only, as the dispatcher decides)."""
 
     config: RingConfig | TmaConfig | None = None
     force_generic: bool = False
     pdl: bool = True
     tma_family: TmaFamily | None = None
     l2_promotion: int = 128
+    kv_evict_first: bool | None = None
 
 
 def _launchable(plan: KernelPlan, what: str) -> KernelPlan:
@@ -162,7 +164,7 @@ def kernel_plan(geometry, dtypes, device: int, small: int, options: MqaLogitsOpt
     key = (geometry, dtypes, device, small, options)
     plan = _plans.get(key)
     if plan is None:
-        evict = int(small > 0)
+        evict = int(small > 0 if options.kv_evict_first is None else options.kv_evict_first)
         why = "forced"
         if not options.force_generic:
             try:
