@@ -87,11 +87,28 @@ SWEEPS: dict[str, list] = {
 # dispatcher's config beside the shipped kernel on the rows named. Round 16: how many of the
 # weights' column groups live in registers at setmaxnreg (WeightsSplit): none (before), 12
 # or 14 of 16 (shipped) at next_n*heads = 128 and 112 registers.
+# "nopf": no prefetch of the next request's Q (each warpgroup loads it at its switch): do the
+# prefetches, which every warpgroup of every CTA issues whether or not the next request is
+# in its range, cost the skewed and small rows more than they save?
 VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
     "wr0": (("kWBudget > 0 ? kWBudget / 4 * 2 : 0;", "0;"),),
     "wr12": (("N > 128 ? 24 : 20;", "24;"),),
+    "nopf": (
+        ("    pf_b = b + 1 < batch ? b + 1 : -1;", "    pf_b = -1;"),
+        ("      if (QBUF == 2 && b + 1 < batch) {", "      if (false) {"),
+    ),
 }
-VARIANT_ROWS = ("b256n2", "b64L64kn2", "skew128n2", "d64n2", "d32n2", "b128n3")
+VARIANT_ROWS = (
+    "b256n2",
+    "b64L64kn2",
+    "skew128n2",
+    "d64n2",
+    "d32n2",
+    "b128n3",
+    "skew32",
+    "b32",
+    "d32",
+)
 # Rows whose variants are also timed in a forced config (column "<variant>-<config>").
 VARIANT_CONFIGS = {
     "d64n2": TmaConfig(4, 12, 4, 1, 1, 0, 112),
