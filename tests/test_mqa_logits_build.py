@@ -95,7 +95,7 @@ def test_prebuild_skips_the_ring_kernel_where_the_tma_kernel_serves():
     specs = {spec for spec, _ in ring}
     assert specs and {a for _, a in ring} == set(archs[1:])
     f32 = (torch.float32,) * 3
-    other = ring_family.spec(ring_params((1, 64, 96, 64), f32))
+    other = ring_family.spec(ring_params((1, 64, 160, 64), f32))
     assert mq.OP.prebuilt_on(other, "sm_90a") and mq.OP.prebuilt_on(other, "sm_100a")
     tma = next(t.spec for t in tasks if t.spec.family == "mqa_logits_tma")
     assert mq.OP.prebuilt_on(tma, "sm_90a") and not mq.OP.prebuilt_on(tma, "sm_100a")
