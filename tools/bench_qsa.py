@@ -6,6 +6,7 @@
     python tools/bench_qsa.py --ncu-one [--splits K]  # ONE decode launch, rows=512 (for ncu)
     python tools/bench_qsa.py --dispatch-sweep [--json F] [--part i/n] [--seed-triton PATH]
     python tools/bench_qsa.py --list [--part i/n]     # that sweep's grid and cost, no GPU
+    python tools/bench_qsa.py --short [--json F]      # the short single pass (qsa_short_bench.py)
 
 Inputs follow the issue: D=128, page 64, valid_count uniform in [topk/2, topk] and -1 past
 it, logical indices drawn without replacement from a 16K-token context per request, pages
@@ -35,25 +36,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashinfer_jit import qsa  # noqa: E402
-from flashinfer_jit._jit import cuda_device_index  # noqa: E402
 from flashinfer_jit.qsa import kernels as qk  # noqa: E402
 from flashinfer_jit.qsa import plan as qsa_plan  # noqa: E402
-from flashinfer_jit.qsa.checks import offset_bits  # noqa: E402
 from flashinfer_jit.qsa.op import run_kernels  # noqa: E402
-from jit_kernels import I32, I64, PTR, U32, KernelFamily, current_stream  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_util import warm_gpu  # noqa: E402
 from qsa_bench_util import (  # noqa: E402
     HEAD_DIM,
-    PAGE,
-    TOOLS_BUILDER,
     check,
     copy_bandwidth,
     floor_us,
     fmt,
     make_sets,
     n_sets_for,
+    probe_runner,
     reference_of,
     table,
     time_eager,
@@ -100,15 +97,6 @@ ALT_CLUSTER = {
     "bulk s2": dict(bulk=True, config=qk.BULK_CLUSTER, pair=False),
     "bulk s3": dict(bulk=True, config=(4, 3, 4), pair=False),
 }
-# The probe is a tool's kernel: built from tools/kernels/, never shipped.
-_probe_family = KernelFamily(
-    TOOLS_BUILDER,
-    "qsa_gather_probe",
-    "qsa_gather_probe.cuh",
-    "fij_qsa::qsa_gather_probe",
-    ("head_dim",),
-    (PTR, U32, U32, U32, PTR, U32, U32, U32, PTR, I32, PTR, I64, I32, I32, I32, PTR),
-)
 
 
 def kernel_breakdown(run, sets, reps=5) -> str:
@@ -140,26 +128,6 @@ def dispatch_split(rows, hkv, topk) -> tuple:
     """The dispatcher's (splits, config, pair) on this device (D=128, uint8 cache)."""
     variant = qsa_plan.dispatch_split(rows, hkv, topk, HEAD_DIM, torch.uint8, 0)
     return variant.num_splits, variant.config, variant.pair
-
-
-def probe_runner(sets):
-    """A run(args) that gathers what the decode would (slots resolved once, outside timing)."""
-    slots = {id(a): qsa_plan.resolve_slots(a[3], a[4], a[5], a[1]) for a in sets}
-    sink = torch.empty(max(a[0].shape[0] for a in sets) * 8 * 256, dtype=torch.int32, device="cuda")
-
-    def run(args):
-        q, k, v, indices = args[:4]
-        s = slots[id(args)]
-        device = cuda_device_index(q)
-        counts = indices.data_ptr() + (indices.shape[1] - 1) * indices.stride(1) * 4
-        launch_args = (k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3])
-        launch_args += (s.data_ptr(), s.shape[1], counts, indices.stride(0), indices.shape[1] - 1)
-        launch_args += (offset_bits(PAGE), k.shape[2], sink.data_ptr())
-        _probe_family.get((HEAD_DIM,), device).launch(
-            (q.shape[0], 8, 1), (256, 1, 1), current_stream(device), launch_args
-        )
-
-    return run
 
 
 def sweep_row(shape, gib, seed, with_probe, variants=VARIANTS):
@@ -332,6 +300,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--splits", type=int, default=1, help="split count for --ncu-one")
     sweep = parser.add_argument_group("issue 22's dispatch sweep (tools/qsa_dispatch_sweep.py)")
     sweep.add_argument("--dispatch-sweep", action="store_true", help="run it, table last")
+    sweep.add_argument("--short", action="store_true", help="the short single pass at issue 22's "
+                       "short selections instead (tools/qsa_short_bench.py; --json, --time-limit)")  # fmt: skip
     sweep.add_argument("--list", action="store_true", help="its points and cost model; no GPU")
     sweep.add_argument("--json", help="write every row here (rewritten after each point)")
     sweep.add_argument("--part", help="i/n: only part i of n (cost-balanced), e.g. 1/2")
@@ -367,6 +337,11 @@ def main() -> None:
     opts = parse_args()
     if opts.ncu_one:
         ncu_one(opts.gib, opts.splits)
+        return
+    if opts.short:
+        from qsa_short_bench import short_main
+
+        short_main(opts, banner)
         return
     if opts.dispatch_sweep or opts.list:
         from qsa_dispatch_sweep import sweep_main  # its imports build nothing

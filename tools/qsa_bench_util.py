@@ -1,4 +1,4 @@
-"""Inputs, checks and timers of the QSA benchmarks (tools/bench_qsa.py and its dispatch
+"""Inputs, checks, timers and the gather probe of the QSA benchmarks (tools/bench_qsa.py and its dispatch
 sweep, tools/qsa_dispatch_sweep.py): one place, so every mode measures the same way.
 
 Inputs follow the issue: valid_count uniform in [topk/2, topk] and -1 past it, logical
@@ -17,9 +17,12 @@ from pathlib import Path
 
 import torch
 
+from flashinfer_jit._jit import cuda_device_index
 from flashinfer_jit._version import __version__
+from flashinfer_jit.qsa import plan as qsa_plan
+from flashinfer_jit.qsa.checks import offset_bits
 from flashinfer_jit.qsa.reference import qsa_decode_torch
-from jit_kernels import KernelBuilder
+from jit_kernels import I32, I64, PTR, U32, KernelBuilder, KernelFamily, current_stream
 
 BANDWIDTH = 4.24e6  # bytes per microsecond (measured device-to-device copy on the H200)
 PAGE, HEAD_DIM = 64, 128
@@ -201,3 +204,34 @@ def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     out = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     out.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+# The probe is a tool's kernel: built from tools/kernels/, never shipped.
+_probe_family = KernelFamily(
+    TOOLS_BUILDER,
+    "qsa_gather_probe",
+    "qsa_gather_probe.cuh",
+    "fij_qsa::qsa_gather_probe",
+    ("head_dim",),
+    (PTR, U32, U32, U32, PTR, U32, U32, U32, PTR, I32, PTR, I64, I32, I32, I32, PTR),
+)
+
+
+def probe_runner(sets):
+    """A run(args) that gathers what the decode would (slots resolved once, outside timing)."""
+    slots = {id(a): qsa_plan.resolve_slots(a[3], a[4], a[5], a[1]) for a in sets}
+    sink = torch.empty(max(a[0].shape[0] for a in sets) * 8 * 256, dtype=torch.int32, device="cuda")
+
+    def run(args):
+        q, k, v, indices = args[:4]
+        s = slots[id(args)]
+        device = cuda_device_index(q)
+        counts = indices.data_ptr() + (indices.shape[1] - 1) * indices.stride(1) * 4
+        launch_args = (k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3])
+        launch_args += (s.data_ptr(), s.shape[1], counts, indices.stride(0), indices.shape[1] - 1)
+        launch_args += (offset_bits(PAGE), k.shape[2], sink.data_ptr())
+        _probe_family.get((HEAD_DIM,), device).launch(
+            (q.shape[0], 8, 1), (256, 1, 1), current_stream(device), launch_args
+        )
+
+    return run

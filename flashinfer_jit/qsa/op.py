@@ -90,14 +90,16 @@ def run_kernels(
     config: tuple[int, int, int] | None = None,
     bulk: bool | None = None,
     pair: bool | None = None,
+    short: bool = False,
+    order: bool = True,
     **options,
 ) -> None:
     """Launch one variant's kernels for a call (``args`` as the public functions take them;
     see ``plan.Variant``), unchecked: tools and tests compare variants the dispatcher would
-    not pick. ``options`` replace fields of the shipped ``QsaOptions`` (pdl, slot_entries,
-    tmma, lean)."""
+    not pick (``short``/``order``: the short single pass, qsa/short.py). ``options`` replace
+    fields of the shipped ``QsaOptions`` (pdl, slot_entries, tmma, lean)."""
     launch = decode_launch(
-        args, with_options(**options), Variant(num_splits, fused, config, bulk, pair)
+        args, with_options(**options), Variant(num_splits, fused, config, bulk, pair, short, order)
     )
     if launch.run(*args) is None:
         raise ValueError("q, k_cache, v_cache, out and output_gate must be 16-byte aligned")

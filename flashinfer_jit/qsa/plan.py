@@ -35,6 +35,7 @@ from .kernels import (
     wave_smem_bytes,
 )
 from .launch import DecodeLaunch, SlotPass
+from .short import SHORT_DEFAULT, checked_short_config, short_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,13 +83,17 @@ class Variant:
     the slot pass), 2..8 a thread block cluster; ``fused`` (clusters only) resolves the
     slots in the decode (None: where a split's share fits CLUSTER_SLOT_CAP); ``config``
     (warps, stages, min CTAs), ``bulk`` (the gather) and ``pair`` (two chunks a step)
-    replace the shipped rule where not None."""
+    replace the shipped rule where not None. ``short``: the single pass as qsa_decode_short
+    (``short.py``; ``config`` from its ranges, default SHORT_DEFAULT), its rows in the slot
+    pass's order or (``order`` False) in index order."""
 
     num_splits: int = 1
     fused: bool | None = None
     config: tuple[int, int, int] | None = None
     bulk: bool | None = None
     pair: bool | None = None
+    short: bool = False
+    order: bool = True
 
 
 def _splits(topk: int, variant: Variant) -> tuple[int, int, bool]:
@@ -119,20 +124,14 @@ def decode_launch(args: tuple, options: QsaOptions, variant: Variant) -> DecodeL
     num_splits, cluster, fused = _splits(topk, variant)
     device = cuda_device_index(q)
     grid_ctas, can_bulk = rows * num_kv_heads * num_splits, bulk_ok(k_cache, v_cache, device)
-    bulk, config, pair = gather_choice(
-        head_dim, cluster, grid_ctas, sm_count(device), can_bulk, variant.bulk, variant.config,
-        variant.pair,
-    )  # fmt: skip
-    family, params = decode_plan(
-        num_q_heads // num_kv_heads, head_dim, cluster, fused, bulk, config, options.tmma,
-        options.lean, pair,
-    )  # fmt: skip
-    slots = None if fused else slot_kernel(topk, page_size, not cluster, options)
+    shape = (num_q_heads // num_kv_heads, head_dim, cluster, fused, grid_ctas, sm_count(device))
+    family, params, bulk, config, order = _kernel_choice(variant, options, *shape, can_bulk)
+    slots = None if fused else slot_kernel(topk, page_size, order, options)
     prepare([(family, params)] + ([slots] if slots else []), device)  # compiled at once
     slot_pass = None
     if not fused:
         slot_pass = make_slot_pass(
-            logical_indices, block_table, token_to_req, k_cache, not cluster, options
+            logical_indices, block_table, token_to_req, k_cache, order, options
         )
     return DecodeLaunch(
         family.get(params, device),
@@ -147,6 +146,37 @@ def decode_launch(args: tuple, options: QsaOptions, variant: Variant) -> DecodeL
         head_dim if bulk else 0,
         options.pdl,
     )
+
+
+def _kernel_choice(
+    variant: Variant,
+    options: QsaOptions,
+    group: int,
+    head_dim: int,
+    cluster: int,
+    fused: bool,
+    grid_ctas: int,
+    sms: int,
+    can_bulk: bool,
+) -> tuple:
+    """(family, params, bulk, config, order) of a launch: ``order`` whether the decode reads
+    the slot pass's row order (the single pass's; clusters read none)."""
+    if not (variant.short or variant.order):
+        raise ValueError("order=False applies to the short single pass (short=True) only")
+    if variant.short:
+        if cluster or variant.pair:
+            raise ValueError("the short single pass takes one split and one chunk a step")
+        bulk = gather_choice(head_dim, 0, grid_ctas, sms, can_bulk, variant.bulk)[0]
+        config = checked_short_config(variant.config or SHORT_DEFAULT, head_dim, bulk)
+        family, params = short_plan(group, head_dim, bulk, config, options.tmma, variant.order)
+        return family, params, bulk, config, variant.order
+    bulk, config, pair = gather_choice(
+        head_dim, cluster, grid_ctas, sms, can_bulk, variant.bulk, variant.config, variant.pair
+    )
+    family, params = decode_plan(
+        group, head_dim, cluster, fused, bulk, config, options.tmma, options.lean, pair
+    )
+    return family, params, bulk, config, not cluster
 
 
 def slot_kernel(topk: int, page_size: int, order: bool, options: QsaOptions) -> Plan | None:

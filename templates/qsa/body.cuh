@@ -49,8 +49,10 @@ namespace fij_qsa {
 // iteration) and the stages advance by counters instead of k % NUM_STAGES.
 // PAIR (cp.async, heads as rows): a warp steps two chunks at a time (qsa/rows.cuh), its
 // NUM_STAGES stages holding NUM_STAGES / 2 pairs in flight.
+// ORDER (the single pass): CTA i takes the slot pass's row order[i / Hkv]; false, row i / Hkv
+// (the slot pass then writes no order: qsa_decode_short).
 template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP, bool BULK,
-          bool TMMA, bool LEAN, bool PAIR = false>
+          bool TMMA, bool LEAN, bool PAIR = false, bool ORDER = true>
 __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head dim");
   static_assert(GROUP >= 1 && GROUP <= 16, "group size");
@@ -115,7 +117,8 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   const int pair_row = blockIdx.x / num_kv_heads;
   const int kvh = blockIdx.x - pair_row * num_kv_heads;
   int row = pair_row;  // the single pass: CTA i takes row order[i / Hkv] of the slot pass
-  if constexpr (SINGLE) row = __ldg(slots + row_order_offset(gridDim.x / num_kv_heads, slot_columns) + pair_row);
+  if constexpr (SINGLE && ORDER)
+    row = __ldg(slots + row_order_offset(gridDim.x / num_kv_heads, slot_columns) + pair_row);
   const int split = SINGLE ? 0 : blockIdx.y;
   const long long head0 = (long long)kvh * GROUP;  // first query head of the kv head
 

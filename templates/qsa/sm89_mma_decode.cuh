@@ -49,6 +49,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) qsa_decode_form(FIJ_
   decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, 0, 0, BULK, TMMA, LEAN>(FIJ_QSA_DECODE_ARGS);
 }
 
+// The single pass with few warps a row (opt-in, not dispatched: qsa/short.py). A CTA of 1-2
+// warps per (row, kv head), so 7-16 rows share an SM where the shipped 4 warps fit 4; ORDER
+// false takes the rows in index order (no order lookup; the slot pass sorts nothing).
+template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, bool BULK, bool TMMA, bool ORDER>
+__global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) qsa_decode_short(FIJ_QSA_DECODE_PARAMS) {
+  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, 0, 0, BULK, TMMA, true, false, ORDER>(
+      FIJ_QSA_DECODE_ARGS);
+}
+
 // The small-batch kernel: CLUSTER splits per (row, kv head) in one thread block cluster
 // (grid.y = CLUSTER), merged through distributed shared memory; SLOT_CAP > 0 also resolves
 // the slots in the kernel, so a call is this one launch.

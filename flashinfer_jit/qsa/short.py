@@ -1,0 +1,94 @@
+"""The short single pass: an opt-in candidate for short selections over many rows (issue 22),
+not dispatched. ``run_kernels(args, short=True, config=..., order=...)`` launches it and
+``tools/bench_qsa.py --short`` times it beside the shipped single pass and the seed's Triton
+kernel.
+
+Why (H200 figures of docs/perf-log/qsa.md, rounds 6 and 8): past the byte floor, the single
+pass costs about the same time per row whatever the selection's length (4096/16/1 at topk
+256 / 512 / 2048: 62 / 64 / 63 µs over the floor), about 7.5 µs per wave of 528 CTAs: a
+row's life carries a fixed chain of dependent trips (row order, slots and q, the first
+gathers, the merge and the gate) that only the 3 other rows of its SM overlap, since 4 warps
+x 3 stages of 4224 bytes (54.9 KB with q) fit 4 CTAs per SM. The seed's Triton kernel keeps
+2 rows per SM (200 registers x 128 threads), only 16 KB of K/V in flight per row (64-token
+tiles loaded into registers, only the next tile's slots prefetched), and still lives about
+6 µs a row against ours' ~14.6: it overlaps fewer rows but each one's chain is short.
+
+What: one CTA of 1 or 2 warps per (row, kv head), the shipped loop (bulk copies, TMMA for
+groups <= 8, LEAN), so 7-16 rows share an SM with 8-16 warps (k1: 16) and 32-48 chunks
+in flight (k1: 48) (SHORT_CONFIGS); ``order`` False takes the rows in index order, which
+drops a dependent L2 load from every CTA's chain and the slot pass's sorting CTA.
+"""
+
+from __future__ import annotations
+
+from .._jit import SM107A_TAKES_SM100A, kernel_family
+from .kernels import (
+    _DECODE_PARAMS,
+    _DECODE_SIGNATURE,
+    SMEM_LIMIT,
+    TMMA_MAX_GROUP,
+    Config,
+    Plan,
+    decode_smem_bytes,
+)
+
+decode_short_family = kernel_family(
+    "qsa_decode_short",
+    "qsa/sm89_mma_decode.cuh",
+    "fij_qsa::qsa_decode_short",
+    (*_DECODE_PARAMS, "bulk", "tmma", "order"),
+    _DECODE_SIGNATURE,
+    ptx_twins=SM107A_TAKES_SM100A,
+)
+
+SM_SMEM = 228 * 1024  # shared memory of an sm_90 / sm_100 SM
+CTA_RESERVED = 1024  # what the driver keeps per resident CTA
+SM_WARPS, SM_CTAS = 64, 32  # resident warps and CTAs per SM (sm_90, sm_100)
+# (num_warps, num_stages, min_ctas) the bench times, D = 128, bulk copies: min_ctas is the
+# launch bound (registers: 65536 / (32 warps min_ctas), 128 at 16 warps per SM, where q's
+# fragments move to shared memory) and what the shared memory lets reside (short_ctas).
+SHORT_CONFIGS = {
+    "w1s2": (1, 2, 16),  # 16 rows an SM, 2 chunks in flight a row (12.4 KB: q in smem)
+    "w1s3": (1, 3, 12),  # 12 rows, 3 chunks
+    "w1s4": (1, 4, 12),  # 12 rows, 4 chunks (13 fit by shared memory)
+    "w1s6": (1, 6, 8),  # 8 rows, 6 chunks
+    "w2s2": (2, 2, 8),  # 8 rows, 4 chunks
+    "w2s3": (2, 3, 8),  # 7 rows (8 by the bound; q in smem), 6 chunks
+    "w4s3": (4, 3, 4),  # the shipped config: isolates the row order (order=False)
+}
+SHORT_DEFAULT = SHORT_CONFIGS["w1s4"]
+
+
+def short_smem_bytes(head_dim: int, config: Config, bulk: bool) -> int:
+    """Dynamic shared memory of a short launch (a single pass's DecodeSmem)."""
+    return decode_smem_bytes(head_dim, config, 0, 0, bulk)
+
+
+def short_ctas(head_dim: int, config: Config, bulk: bool) -> int:
+    """CTAs of ``config`` one SM holds by shared memory, warps, CTAs and the launch bound."""
+    warps, _, min_ctas = config
+    by_smem = SM_SMEM // (short_smem_bytes(head_dim, config, bulk) + CTA_RESERVED)
+    return min(by_smem, SM_WARPS // warps, SM_CTAS, min_ctas)
+
+
+def checked_short_config(config: tuple, head_dim: int, bulk: bool) -> Config:
+    """A short launch's (warps, stages, min CTAs): 1, 2 or 4 warps, 2-8 stages (the
+    validity ring holds 8), a launch bound the SM can hold, within SMEM_LIMIT."""
+    warps, stages, min_ctas = (int(c) for c in config)
+    if warps not in (1, 2, 4) or not 2 <= stages <= 8 or not 1 <= min_ctas <= SM_CTAS:
+        raise ValueError(f"short config (warps, stages, min_ctas) out of range: {config}")
+    if warps * min_ctas > SM_WARPS:
+        raise ValueError(f"short config {config}: more warps than an SM holds")
+    if short_smem_bytes(head_dim, (warps, stages, min_ctas), bulk) > SMEM_LIMIT:
+        raise ValueError(f"short config {config} needs more than {SMEM_LIMIT} bytes of smem")
+    return warps, stages, min_ctas
+
+
+def short_plan(
+    group: int, head_dim: int, bulk: bool, config: Config, tmma: bool, order: bool
+) -> Plan:
+    """The short single pass's kernel: the shipped loop forms (TMMA for groups <= 8 where
+    ``tmma``, LEAN) at ``config``, rows in the slot pass's order or (``order`` False) in
+    index order."""
+    tmma = tmma and group <= TMMA_MAX_GROUP
+    return decode_short_family, (group, head_dim, *config, bool(bulk), bool(tmma), bool(order))

@@ -1,0 +1,156 @@
+"""``tools/bench_qsa.py --short [--json F]``: the short single pass (flashinfer_jit/qsa/short.py,
+opt-in, not dispatched) beside the shipped single pass and the seed's Triton kernel, at issue
+22's short selections over many rows (and one long selection as a guard).
+
+Per point, every column is checked against the torch path, captured as a CUDA graph of one
+call per input set (sets cycled past 4x L2, as the dispatch sweep) and timed in interleaved
+rounds: "k1" the shipped single pass (slot pass + decode: ``qsa_sparse_paged_decode``);
+"triton" the seed's kernel; "probe" the gather alone (tools/kernels/qsa_gather_probe.cuh,
+slots resolved outside the timing: this access pattern's ceiling); one column per
+SHORT_CONFIGS entry in index order (no row order), and "+ord" columns with the slot pass's
+row order. The table prints last; the JSON is rewritten after each point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from qsa_bench_grid import Point, reps_for
+from qsa_bench_util import (
+    BANDWIDTH,
+    capture,
+    check,
+    floor_us,
+    fmt,
+    make_sets,
+    n_sets_for,
+    probe_runner,
+    reference_of,
+    table,
+    time_graphs,
+)
+from qsa_dispatch_sweep import SEED_TOL, default_seed_path, load_seed
+
+from flashinfer_jit.qsa import kernels as qk
+from flashinfer_jit.qsa import short as qs
+from flashinfer_jit.qsa.op import run_kernels
+from jit_kernels import prepare
+
+# Issue 22's weakest points (floor >= 50 µs, under 85 %; docs/perf-log/qsa_dispatch_sweep.md:
+# k1 / triton / floor µs), then a long selection the variant must not lose badly.
+POINTS = [
+    Point(4096, 16, 1, 256),  # 122.0 / 102.8 / 60.2
+    Point(1024, 64, 4, 512),  # 165.3 / 163.3 / 107.9
+    Point(1024, 64, 4, 256),  # 116.6 / 103.2 / 59.8
+    Point(4096, 16, 1, 512),  # 173.3 / 166.9 / 109.1
+    Point(512, 128, 8, 256),  # 118.6 / 103.7 / 59.9
+    Point(4096, 8, 1, 512),  # 145.5 / 153.8 / 103.1 (G = 8: TMMA)
+    Point(512, 32, 8, 512),  # 131.2 / 144.3 / 98.1 (G = 4: TMMA)
+    Point(1024, 64, 4, 2048),  # 444.0 / 515.5 / 391.2
+]
+ORDERED = ("w1s2", "w1s4")  # configs also timed with the row order (+ord)
+TOL = 2e-2
+
+
+def columns(seed_fn: Callable | None) -> dict[str, tuple[Callable, float]]:
+    """label -> (run(args), check tolerance)."""
+    cols: dict[str, tuple[Callable, float]] = {"k1": (lambda a: run_kernels(a), TOL)}
+    if seed_fn is not None:
+        cols["triton"] = (lambda a: seed_fn(*a), SEED_TOL)
+    for name, config in qs.SHORT_CONFIGS.items():
+        for order in (False, True) if name in ORDERED else (False,):
+            run = lambda a, c=config, o=order: run_kernels(a, config=c, short=True, order=o)  # noqa: E731
+            cols[name + ("+ord" if order else "")] = (run, TOL)
+    return cols
+
+
+def plans() -> list:
+    """Every kernel the points reach, for one parallel compile up front."""
+    wanted = []
+    for group in sorted({p.group for p in POINTS}):
+        shipped = qk.decode_plan(group, 128, 0, False, True, qk.BULK_SINGLE_PASS, True, True)
+        wanted.append(shipped)
+        for name, config in qs.SHORT_CONFIGS.items():
+            for order in (False, True) if name in ORDERED else (False,):
+                wanted.append(qs.short_plan(group, 128, True, config, True, order))
+    return wanted + [qk.slot_plan(64, order, 4) for order in (True, False)]
+
+
+def measure(point: Point, gib: float, cols: dict, index: int) -> dict:
+    p = point
+    sets = make_sets(p.rows, p.hq, p.hkv, p.topk, n_sets_for(p.rows, p.hkv, p.topk), gib,
+                     seed=100 + index)  # fmt: skip
+    expect = reference_of(sets[0])
+    floor = statistics.mean(floor_us(a) for a in sets)
+    kv_floor = statistics.mean(kv_floor_us(a) for a in sets)
+    graphs, errors = {}, {}
+    for label, (run, tol) in {**cols, "probe": (None, None)}.items():
+        try:
+            if run is None:  # the probe writes no output: nothing to check
+                graphs[label] = capture(probe_runner(sets), sets)
+                continue
+            check(run, sets[0], expect, tol)
+            graphs[label] = capture(run, sets)
+        except Exception as exc:  # one bad column must not end the run
+            errors[label] = f"ERR {type(exc).__name__}: {exc}"[:80]
+            print(f"  {p.name} {label}: {errors[label]}", flush=True)
+    times = time_graphs(graphs, len(sets), reps_for(floor, len(sets)))
+    short = {k: v for k, v in times.items() if k not in ("k1", "triton", "probe")}
+    best = min(short, key=short.get) if short else None
+    return {"name": p.name, "floor_us": floor, "kv_floor_us": kv_floor, "best_short": best,
+            "times_us": {**times, **errors}, "sets": len(sets)}  # fmt: skip
+
+
+def kv_floor_us(args) -> float:
+    """The selected K/V bytes alone (what the probe gathers) over BANDWIDTH."""
+    k_cache, indices = args[1], args[3]
+    tokens = indices[:, -1].clamp(0, indices.shape[1] - 1).sum().item()
+    return tokens * k_cache.shape[2] * 2 * k_cache.shape[3] / BANDWIDTH
+
+
+def row_cells(row: dict, labels: list[str]) -> list:
+    t, floor = row["times_us"], row["floor_us"]
+    best = row["best_short"]
+    k1 = t.get("k1")
+    gain = f"{k1 / t[best]:.2f}" if best and isinstance(k1, float) else "-"
+    pct = f"{100 * floor / t[best]:.0f}%" if best else "-"
+    return [row["name"], floor, row["kv_floor_us"], *[t.get(k) for k in labels], best, gain, pct]
+
+
+def short_main(opts: argparse.Namespace, banner: Callable[[], dict]) -> None:
+    """Compile, measure every point (none started past --time-limit), print the table."""
+    deadline = time.perf_counter() + opts.time_limit
+    start = time.perf_counter()
+    prepare(plans(), 0)
+    print(f"compiled the points' kernels in {time.perf_counter() - start:.1f} s", flush=True)
+    seed_path = Path(opts.seed_triton) if opts.seed_triton else default_seed_path()
+    cols = columns(load_seed(seed_path))
+    meta = {**banner(), "configs": qs.SHORT_CONFIGS, "seed": str(seed_path)}
+    rows = []
+    for i, point in enumerate(POINTS):
+        if time.perf_counter() > deadline:
+            print(f"time limit: {[p.name for p in POINTS[i:]]} not started")
+            break
+        try:
+            rows.append(measure(point, opts.gib, cols, i))
+            cells = "  ".join(f"{k} {fmt(v)[:10]}" for k, v in rows[-1]["times_us"].items())
+            print(f"[{i + 1}/{len(POINTS)}] {point.name} floor {rows[-1]['floor_us']:.1f}  {cells}",
+                  flush=True)  # fmt: skip
+        except Exception:
+            traceback.print_exc()
+        if opts.json:
+            with open(opts.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        torch.cuda.empty_cache()
+    labels = ["k1", "triton", "probe", *[c for c in cols if c not in ("k1", "triton")]]
+    print("\n== short single pass (qsa/short.py): graph µs per call; kv floor = the K/V bytes "
+          "alone (the probe's); gain = k1 / best short; % floor of the best short")  # fmt: skip
+    head = ["point", "floor", "kv floor", *labels, "best short", "gain", "% floor"]
+    print(table(head, [row_cells(r, labels) for r in rows]))
