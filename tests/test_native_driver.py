@@ -6,11 +6,13 @@ driver module; the H200 runs the real driver through the GPU tests.)"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -130,6 +132,40 @@ def test_driver_calls_reach_the_driver_and_errors_raise(tmp_path, monkeypatch):
     whats = ("loading k", "smem of k", "clusters of k", "map of k")
     for error, what in zip(seen["errors"], whats, strict=True):
         assert error.startswith(f"{what} failed") and "200" in error
+
+
+def test_the_cluster_probe_does_not_wait_for_the_launcher(monkeypatch):
+    """Cluster occupancy is asked before a first call's compile: its driver calls take
+    native.launcher(wait=False), so the launcher's build runs beside that compile."""
+    from jit_kernels import occupancy
+
+    class Launcher:
+        def load_module(self, image, entry):
+            return 0, 0xB1, 0xB2
+
+        def set_attribute(self, function, attribute, value):
+            return 0
+
+        def clusters(self, function, cluster, threads, smem):
+            return 0, 15
+
+    asked = []
+    monkeypatch.setattr(native, "launcher", lambda wait=True: asked.append(wait) or Launcher())
+    monkeypatch.setattr(occupancy, "capability", lambda device: (9, 0))
+    cuda = SimpleNamespace(
+        device=lambda device: contextlib.nullcontext(),
+        init=lambda: None,
+        current_stream=lambda device: None,
+    )
+    monkeypatch.setattr(occupancy, "torch", SimpleNamespace(cuda=cuda))
+    for cached in (occupancy._probe_function, occupancy.max_active_clusters):
+        cached.cache_clear()
+    try:
+        assert occupancy.max_active_clusters(0, 8, 256, 1000) == 15
+    finally:
+        for cached in (occupancy._probe_function, occupancy.max_active_clusters):
+            cached.cache_clear()
+    assert asked == [False, False, False]  # load the probe, its shared memory, the query
 
 
 def test_attribute_numbers_are_cuda_pythons():
