@@ -208,3 +208,23 @@ def test_gpu_the_launcher_and_cuda_python_answer_alike(monkeypatch):
         answers.append((tmap, cu.blocks_per_sm(kernel._handle, 480, 16384, "occupancy"),
                         cu.get_attribute(kernel._handle, cu.NUM_REGS, "regs")))  # fmt: skip
     assert answers[0] == answers[1] and answers[0][1] >= 1 and answers[0][2] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_cluster_occupancy_alike_before_and_after_the_launcher(monkeypatch):
+    """The probe's queries through cuda-python (a cold first call: the launcher still
+    building) answer as through the launcher, for every cluster size of the one-wave split."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or native.launcher() is None:
+        pytest.skip("needs a GPU and the compiled launcher")
+    from jit_kernels import occupancy
+
+    answers = []
+    for launcher in (native.launcher(), None):
+        monkeypatch.setattr(native, "launcher", lambda wait=True, found=launcher: found)
+        for cached in (occupancy._probe_function, occupancy.max_active_clusters):
+            cached.cache_clear()
+        answers.append([occupancy.max_active_clusters(0, k, 256, 100000) for k in range(2, 9)])
+    for cached in (occupancy._probe_function, occupancy.max_active_clusters):
+        cached.cache_clear()
+    assert answers[0] == answers[1] and min(answers[0]) >= 1
