@@ -115,11 +115,11 @@ class KernelBuilder:
         }
 
         def compile_now() -> CompiledKernel:
+            if self.on_compile is not None:  # first: the library load below then overlaps it
+                self.on_compile()
             loaded = compiler_identity(spec.compiler, loaded=True)
             if loaded != identity:  # before any compile: the stored key must name its compiler
                 raise _OtherCompiler(identity, loaded)
-            if self.on_compile is not None:
-                self.on_compile()
             log.info("compiling %s for %s", spec.label, arch)
             start = time.perf_counter()
             kernel = shared.compile(arch) if shared else compile_cubin(rendered, arch)

@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import nvrtc_lib
 from .render import RenderedSource
 
 # -lineinfo keeps SASS readable in profilers at no run-time cost; nothing here relaxes
@@ -39,12 +40,10 @@ class CompiledKernel:
 
 @functools.cache
 def nvrtc_version() -> str:
-    """major.minor of the NVRTC library cuda-bindings loads. Asking the library costs its
-    load: importing cuda.pathfinder and NVRTC's dlopen, 121 of the 127 ms of a warm first
-    call on the H200 host (2026-12-02), so keys name ``installed_nvrtc_version`` instead."""
-    from cuda.bindings import nvrtc
-
-    _, major, minor = nvrtc.nvrtcVersion()
+    """major.minor of the NVRTC library cuda-bindings loads (``nvrtc_lib``). Asking the
+    library costs its load (121 of the 127 ms of a warm first call on the H200 host,
+    2026-12-02, when it came through cuda-python), so keys name ``installed_nvrtc_version``."""
+    major, minor = nvrtc_lib.version()
     return f"{major}.{minor}"
 
 
@@ -114,14 +113,6 @@ def compiler_identity(compiler: str, loaded: bool = False) -> str:
     return f"nvrtc {version} {' '.join(NVRTC_OPTIONS)}"
 
 
-def _check(result: tuple, what: str) -> tuple:
-    from cuda.bindings import nvrtc
-
-    if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise RuntimeError(f"{what} failed: {result[0]}")
-    return result[1:]
-
-
 def _keep_source(rendered: RenderedSource) -> Path:
     folder = Path(tempfile.mkdtemp(prefix="flashinfer-jit-failed-"))
     (folder / rendered.filename).write_text(rendered.source)
@@ -153,35 +144,18 @@ def _compile_nvrtc(
 ) -> tuple[bytes, str, str]:
     """(cubin, or with ``ptx`` the PTX, lowered entry name, the compiler's log: empty unless
     it warned)."""
-    from cuda.bindings import nvrtc
-
-    names = [n.encode() for n, _ in rendered.headers]
-    texts = [t.encode() for _, t in rendered.headers]
-    (prog,) = _check(
-        nvrtc.nvrtcCreateProgram(
-            rendered.source.encode(), rendered.filename.encode(), len(names), texts, names
-        ),
-        "nvrtcCreateProgram",
+    options = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in NVRTC_OPTIONS)]
+    binary, lowered, log_text = nvrtc_lib.compile_program(
+        rendered.source.encode(),
+        rendered.filename.encode(),
+        [(n.encode(), t.encode()) for n, t in rendered.headers],
+        rendered.spec.name_expression.encode(),
+        options,
+        "PTX" if ptx else "CUBIN",
     )
-    try:
-        expression = rendered.spec.name_expression.encode()
-        _check(nvrtc.nvrtcAddNameExpression(prog, expression), "nvrtcAddNameExpression")
-        options = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in NVRTC_OPTIONS)]
-        (result,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
-        (log_size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        log = bytearray(log_size)
-        _check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
-        log_text = log.rstrip(b"\0").decode(errors="replace")
-        if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise CompileError(rendered.spec.label, arch, log_text, _keep_source(rendered))
-        (lowered,) = _check(nvrtc.nvrtcGetLoweredName(prog, expression), "nvrtcGetLoweredName")
-        kind = "PTX" if ptx else "CUBIN"
-        (size,) = _check(getattr(nvrtc, f"nvrtcGet{kind}Size")(prog), f"nvrtcGet{kind}Size")
-        binary = bytearray(size)
-        _check(getattr(nvrtc, f"nvrtcGet{kind}")(prog, binary), f"nvrtcGet{kind}")
-        return bytes(binary), lowered.decode(), log_text.strip()
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    if binary is None:
+        raise CompileError(rendered.spec.label, arch, log_text, _keep_source(rendered))
+    return binary, lowered, log_text.strip()
 
 
 def _compile_cute(rendered: RenderedSource, arch: str) -> tuple[bytes, str]:

@@ -5,6 +5,8 @@ of a warm first call on the H200 host, 2026-12-02); through cuda-python where it
 
 Handles are ints. The caller makes the device's primary context current (torch's), as a
 load and a function query need one. Every failure raises ``LaunchError`` naming ``what``.
+``wait=False`` (the occupancy probe's calls) takes cuda-python while the launcher is still
+to be built (``native.launcher``).
 """
 
 from __future__ import annotations
@@ -55,10 +57,10 @@ def load_kernel(cubin: bytes, entry: str, what: str) -> tuple[int, int]:
     return int(library), int(_check(driver.cuKernelGetFunction(kernel), what))
 
 
-def load_module(image: bytes, entry: str, what: str) -> int:
+def load_module(image: bytes, entry: str, what: str, wait: bool = True) -> int:
     """The function ``entry`` of a module loaded from ``image`` (PTX the driver compiles, or a
     cubin); the module stays loaded."""
-    launcher = native.launcher()
+    launcher = native.launcher(wait)
     if launcher is not None:
         return _check(launcher.load_module(image, entry.encode()), what)[1]
     from cuda.bindings import driver
@@ -67,8 +69,8 @@ def load_module(image: bytes, entry: str, what: str) -> int:
     return int(_check(driver.cuModuleGetFunction(module, entry.encode()), what))
 
 
-def set_attribute(function: int, attribute: int, value: int, what: str) -> None:
-    launcher = native.launcher()
+def set_attribute(function: int, attribute: int, value: int, what: str, wait: bool = True) -> None:
+    launcher = native.launcher(wait)
     if launcher is not None:
         _check(launcher.set_attribute(function, attribute, value), what)
         return
@@ -101,10 +103,12 @@ def blocks_per_sm(function: int, threads: int, smem: int, what: str) -> int:
     )
 
 
-def max_active_clusters(function: int, cluster: int, threads: int, smem: int, what: str) -> int:
+def max_active_clusters(
+    function: int, cluster: int, threads: int, smem: int, what: str, wait: bool = True
+) -> int:
     """Resident clusters of ``cluster`` CTAs (``threads`` threads, ``smem`` dynamic bytes
     each) on the current device."""
-    launcher = native.launcher()
+    launcher = native.launcher(wait)
     if launcher is not None:
         return _check(launcher.clusters(function, cluster, threads, smem), what)
     from cuda.bindings import driver

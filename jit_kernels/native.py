@@ -218,10 +218,30 @@ def resolve_in_background() -> None:
 _started: list[bool] = []  # resolve_in_background ran (one thread per process)
 
 
-def launcher() -> ModuleType | None:
+def _built() -> bool:
+    """Whether resolving needs no build: none under way and one found (an unreadable or
+    insecure cache counts as found: ``launcher`` then logs why it falls back, at once)."""
+    if _started:
+        return False
+    try:
+        return find() is not None
+    except Exception:  # noqa: BLE001 (_resolve reports it)
+        return True
+
+
+def launcher(wait: bool = True) -> ModuleType | None:
     """The launcher module, built or found on the first call of the process; None when
-    switched off (FLASHINFER_JIT_NATIVE_LAUNCH=0, read per call) or unavailable."""
+    switched off (FLASHINFER_JIT_NATIVE_LAUNCH=0, read per call) or unavailable.
+
+    Without ``wait``, a launcher that must be built first is not waited for: None, its build
+    started on a thread. For driver calls cuda-python makes as well, made before a first
+    call's compile (QSA's cluster occupancy): that compile then overlaps the C compiler
+    (~0.45 s on the H200 host and here) instead of following it. A launcher already built (a
+    bundle, the cache: a warm first call) is loaded and returned as with ``wait``."""
     if os.environ.get(NATIVE_ENV) == "0":
+        return None
+    if not _resolved and not wait and not _built():
+        resolve_in_background()
         return None
     if not _resolved:
         with _lock:

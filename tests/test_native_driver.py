@@ -6,11 +6,13 @@ driver module; the H200 runs the real driver through the GPU tests.)"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -132,6 +134,40 @@ def test_driver_calls_reach_the_driver_and_errors_raise(tmp_path, monkeypatch):
         assert error.startswith(f"{what} failed") and "200" in error
 
 
+def test_the_cluster_probe_does_not_wait_for_the_launcher(monkeypatch):
+    """Cluster occupancy is asked before a first call's compile: its driver calls take
+    native.launcher(wait=False), so the launcher's build runs beside that compile."""
+    from jit_kernels import occupancy
+
+    class Launcher:
+        def load_module(self, image, entry):
+            return 0, 0xB1, 0xB2
+
+        def set_attribute(self, function, attribute, value):
+            return 0
+
+        def clusters(self, function, cluster, threads, smem):
+            return 0, 15
+
+    asked = []
+    monkeypatch.setattr(native, "launcher", lambda wait=True: asked.append(wait) or Launcher())
+    monkeypatch.setattr(occupancy, "capability", lambda device: (9, 0))
+    cuda = SimpleNamespace(
+        device=lambda device: contextlib.nullcontext(),
+        init=lambda: None,
+        current_stream=lambda device: None,
+    )
+    monkeypatch.setattr(occupancy, "torch", SimpleNamespace(cuda=cuda))
+    for cached in (occupancy._probe_function, occupancy.max_active_clusters):
+        cached.cache_clear()
+    try:
+        assert occupancy.max_active_clusters(0, 8, 256, 1000) == 15
+    finally:
+        for cached in (occupancy._probe_function, occupancy.max_active_clusters):
+            cached.cache_clear()
+    assert asked == [False, False, False]  # load the probe, its shared memory, the query
+
+
 def test_attribute_numbers_are_cuda_pythons():
     driver = pytest.importorskip("cuda.bindings.driver")
     attribute = driver.CUfunction_attribute
@@ -172,3 +208,23 @@ def test_gpu_the_launcher_and_cuda_python_answer_alike(monkeypatch):
         answers.append((tmap, cu.blocks_per_sm(kernel._handle, 480, 16384, "occupancy"),
                         cu.get_attribute(kernel._handle, cu.NUM_REGS, "regs")))  # fmt: skip
     assert answers[0] == answers[1] and answers[0][1] >= 1 and answers[0][2] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_cluster_occupancy_alike_before_and_after_the_launcher(monkeypatch):
+    """The probe's queries through cuda-python (a cold first call: the launcher still
+    building) answer as through the launcher, for every cluster size of the one-wave split."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or native.launcher() is None:
+        pytest.skip("needs a GPU and the compiled launcher")
+    from jit_kernels import occupancy
+
+    answers = []
+    for launcher in (native.launcher(), None):
+        monkeypatch.setattr(native, "launcher", lambda wait=True, found=launcher: found)
+        for cached in (occupancy._probe_function, occupancy.max_active_clusters):
+            cached.cache_clear()
+        answers.append([occupancy.max_active_clusters(0, k, 256, 100000) for k in range(2, 9)])
+    for cached in (occupancy._probe_function, occupancy.max_active_clusters):
+        cached.cache_clear()
+    assert answers[0] == answers[1] and min(answers[0]) >= 1

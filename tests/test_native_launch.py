@@ -15,6 +15,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,32 @@ def test_resolving_in_the_background_builds_once(fresh, monkeypatch):
     assert len(list((fresh / "native").glob(f"_launcher-*{SUFFIX}"))) == 1
 
 
+@needs_cc
+def test_not_waiting_leaves_the_build_to_a_thread(fresh, monkeypatch):
+    """launcher(wait=False) (the cluster occupancy probe, before a first call's compile):
+    None at once while the launcher is still to be built, its build on a thread; the load
+    after the compile (launcher()) waits for it. Built already (a warm first call): the
+    module, loaded at once, no thread."""
+    monkeypatch.setattr(native, "_started", [])
+    compiling, release, compile_ = threading.Event(), threading.Event(), native._compile
+
+    def held(target):
+        compiling.set()
+        release.wait(60)
+        compile_(target)
+
+    monkeypatch.setattr(native, "_compile", held)
+    assert native.launcher(wait=False) is None
+    assert compiling.wait(60)  # on the thread
+    assert native.launcher(wait=False) is None  # still building: not waited for
+    release.set()
+    module = native.launcher()
+    assert module is not None and native.launcher(wait=False) is module
+    monkeypatch.setattr(native, "_resolved", [])
+    monkeypatch.setattr(native, "_started", [])
+    assert native.launcher(wait=False) is not None and not native._started
+
+
 @pytest.mark.parametrize(
     "cc, level", [("/bin/false", logging.WARNING), ("/nonexistent/cc", logging.INFO)]
 )
@@ -88,7 +115,9 @@ def test_a_broken_compiler_falls_back_once(fresh, monkeypatch, caplog, cc, level
 
 def test_the_switch_turns_it_off(fresh, monkeypatch):
     monkeypatch.setenv(native.NATIVE_ENV, "0")
+    monkeypatch.setattr(native, "_started", [])
     assert native.launcher() is None and not fresh.exists()
+    assert native.launcher(wait=False) is None and not native._started
     assert build_native(None) == ("skipped", f"{native.NATIVE_ENV}=0")
     kernel = LoadedKernel.__new__(LoadedKernel)
     kernel._bind(0x1234, native.launcher())
