@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import multiprocessing
@@ -87,8 +88,25 @@ def _run(task: BuildTask, builder: KernelBuilder, shared: SharedPtx | None) -> B
     return BuildResult(task, status, seconds, messages=kernel.messages if compiled else "")
 
 
+def _init_worker(parent: int) -> None:
+    """Pool initializer: the worker dies with its parent and exits without a teardown."""
+    _watch_parent(parent)
+    atexit.register(_exit_at_once)
+
+
+def _exit_at_once() -> None:
+    """A pool worker's last atexit handler to run: leave without the interpreter's teardown.
+
+    It runs once the pool has shut the worker down, every result sent (multiprocessing has
+    run its finalizers and flushed stdout and stderr by then). Tearing down torch, NVRTC and
+    the CuTe DSL took the workers 0.7-1.6 s, which the pool's shutdown, the end of
+    ``prebuild``, waited out (docs/prebuild-time.md, session 16). The atexit handlers of the
+    modules the worker imported before its initializer (torch, logging) are skipped."""
+    os._exit(0)
+
+
 def _watch_parent(parent: int) -> None:
-    """Pool initializer: end this worker when the process that started it dies.
+    """End this worker when the process that started it dies.
 
     A killed ``prebuild`` would otherwise leave its workers (hundreds of MB each, CuTe
     DSL loaded) compiling on. Linux delivers SIGKILL on the parent's death (prctl
@@ -119,7 +137,7 @@ def worker_pool(jobs: int) -> ProcessPoolExecutor:
     # spawn, not fork: the parent may hold a CUDA context, which a fork must not inherit.
     context = multiprocessing.get_context("spawn")
     return ProcessPoolExecutor(
-        max_workers=jobs, mp_context=context, initializer=_watch_parent, initargs=(os.getpid(),)
+        max_workers=jobs, mp_context=context, initializer=_init_worker, initargs=(os.getpid(),)
     )
 
 
