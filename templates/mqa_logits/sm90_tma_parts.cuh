@@ -136,7 +136,9 @@ __device__ __forceinline__ void issue_q(const unsigned char* __restrict__ q, con
     }
   } else {
     // Head dim 96 (6 chunks a row): there the division above kept six addresses live
-    // through the consumer loop (28 more registers, spilled at 4 warpgroups). Lane c of
+    // through the consumer loop (28 more registers, spilled at 4 warpgroups). (The order
+    // below would serve every dim, but it changes the SASS of the power-of-two dims, which
+    // has not been timed: the loop above stays theirs until it is.) Lane c of
     // each group of kLanes threads copies chunk c of rows n0, n0 + kRows, ...: rows kRows
     // apart share their swizzle phase (kRows is a multiple of the 8-row atom), so both
     // addresses are one add per row.

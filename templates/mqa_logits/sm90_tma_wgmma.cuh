@@ -95,7 +95,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   // Weights: as many column groups in registers as the accumulators and ~20 (setmaxnreg)
   // or ~48 registers of loop state leave room for, the rest read per tile (WeightsSplit).
   // At n = 128 and 112 registers that is 14 of 16 groups (16 spill): against all 16 read
-  // per tile, 7-8 % faster at next_n=2 L=64K, 2-4 % at B=256 (MQA round 16); 12 groups
+  // per tile, 6-8 % faster at next_n=2 L=64K, 3-5 % at B=256 (MQA round 16); 12 groups
   // measured no better than 14 and 6 % slower at head_dim 32. (At n = 192 and 160, ~24:
   // 22 of 24 groups spill, 20 do not.)
   constexpr int kLoopRegs = REGS == 0 ? 48 : N > 128 ? 24 : 20;

@@ -142,10 +142,10 @@ struct LaneWeights {
     return (i & 1) ? make_float2(v.z, v.w) : make_float2(v.x, v.y);
   }
 };
-// The TMA kernel's weights when not all fit in registers: column groups [0, WR) held in
-// registers (loaded once per request), the rest read from the LaneWeights row per tile.
-// Every group read from shared memory costs the warp a share of a 16-byte load each tile;
-// at next_n*heads = 128 with 112 registers, 12 of the 16 groups fit (all 16 spill).
+// The TMA kernel's weights in registers: column groups [0, WR) held in registers (loaded
+// once per request), the rest read from the LaneWeights row per tile (WR = N / 8: all in
+// registers). Every group read from shared memory costs the warp a share of a 16-byte load
+// each tile; at next_n*heads = 128 with 112 registers 14 of the 16 groups fit (16 spill).
 template <int N, int WR>
 struct WeightsSplit {
   static_assert((WR % 2 == 0 || WR == N / 8) && WR <= N / 8, "whole 16-byte pairs of column groups in shared memory");
@@ -173,14 +173,6 @@ struct WeightsReg {
     for (int i = 0; i < N / 8; ++i) {
       v[i][0] = wbuf[i * 8 + tig * 2];
       v[i][1] = wbuf[i * 8 + tig * 2 + 1];
-    }
-  }
-  // From a LaneWeights buffer: `row` is lane tig's row.
-  __device__ __forceinline__ void load_lane(const float* row) {
-#pragma unroll
-    for (int i = 0; i < N / 8; ++i) {
-      v[i][0] = row[2 * i];
-      v[i][1] = row[2 * i + 1];
     }
   }
   __device__ __forceinline__ float2 get2(int i) const { return make_float2(v[i][0], v[i][1]); }
