@@ -36,7 +36,7 @@ def call(case, clean_logits=False, logits_dtype=torch.float32, runner=None):
     args = (case.kv_cache, case.weights, case.context_lens, case.block_table, meta,
             case.max_context_len, clean_logits, logits_dtype)  # fmt: skip
     if runner is not None:
-        return runner.run((case.q, *args, None))
+        return runner.run((case.q, *args, None, None))  # out, indices
     return dg.fp8_fp4_paged_mqa_logits((case.q, None), *args)
 
 
