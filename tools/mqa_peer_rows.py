@@ -59,58 +59,32 @@ ROWS = [
 T = TmaConfig
 EVICT = ("evict", MqaLogitsOptions(kv_evict_first=True))  # the dispatcher's config, KV evict-first
 SWEEPS: dict[str, list] = {
-    # Round 16: one Q buffer and 8-16 stages at next_n*heads = 128 (no faster than 4 x 8 q2).
-    "b256n2": [T(4, 8, 4, 1, 1, 0, 112), T(4, 12, 4, 1, 1, 0, 112)],
-    "b64L64kn2": [T(4, 8, 4, 1, 1, 0, 112), T(4, 12, 4, 1, 1, 0, 112)],
-    "b128n4h32": [T(4, 8, 4, 2, 1, 0, 112), T(3, 12, 4, 1, 1, 0, 160)],
-    "b128n3": [T(3, 9, 3, 2)],
-    "d64": [T(4, 16, 4, 2, 1), T(4, 24, 4, 2, 1)],
-    "d32": [T(3, 36, 3, 2, 1), T(4, 48, 4, 2, 1)],
-    "d64n2": [T(4, 12, 4, 1, 1, 0, 112), T(4, 32, 4, 2, 1, 0, 112)],
-    "d32n2": [T(4, 24, 4, 1, 1, 0, 112), T(4, 64, 4, 2, 1, 0, 112)],
-    "d96": [T(4, 12, 4, 2, 1), T(3, 9, 3, 2)],
-    "d96n2": [T(4, 12, 4, 2, 1), T(4, 16, 4, 1, 1, 0, 112)],
-    "b256h32n2": [T(4, 12, 4, 2, 1)],
     # The KV stream's L2 policy against the dispatcher's (evict-first for small calls only):
     # the skewed B=32 row is not small for the host (max_seq_len bounds it) though it has
-    # 21 tiles an SM.
-    "skew32": [T(3, 9, 3, 2, 1), T(4, 8, 4, 2), ("small", MqaLogitsOptions(config=T(2, 6, 2, 2))), EVICT,
+    # 21 tiles an SM. (The ring depths, warpgroups and Q buffers of the other rows: rounds
+    # 10-16 of docs/perf-log/mqa_logits.md.)
+    "skew32": [T(3, 9, 3, 2, 1), ("small", MqaLogitsOptions(config=T(2, 6, 2, 2))), EVICT,
                ("small-evict", MqaLogitsOptions(config=T(2, 6, 2, 2), kv_evict_first=True))],
     "skew128n2": [EVICT],
-    "b32": [T(4, 8, 4, 2), ("no-evict", MqaLogitsOptions(kv_evict_first=False))],
-    "b256": [T(3, 12, 3, 2, 1, 1), EVICT],
-    "b64L64k": [T(3, 12, 3, 2, 1, 1), EVICT],
+    "b32": [("no-evict", MqaLogitsOptions(kv_evict_first=False))],
+    "b256": [EVICT],
+    "b64L64k": [EVICT],
 }  # fmt: skip
 
 
 # --variants: candidate template changes (tools/mqa_logits_probe.py variant), each timed in the
-# dispatcher's config beside the shipped kernel on the rows named. Round 16: how many of the
-# weights' column groups live in registers at setmaxnreg (WeightsSplit): none (before), 12
-# or 14 of 16 (shipped) at next_n*heads = 128 and 112 registers.
+# dispatcher's config beside the shipped kernel on the rows named (round 16 timed the
+# weights' column groups in registers this way: docs/perf-log/mqa_logits.md).
 # "nopf": no prefetch of the next request's Q (each warpgroup loads it at its switch): do the
 # prefetches, which every warpgroup of every CTA issues whether or not the next request is
 # in its range, cost the skewed and small rows more than they save?
 VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
-    "wr0": (("kWBudget > 0 ? kWBudget / 4 * 2 : 0;", "0;"),),
-    "wr12": (("N > 128 ? 24 : 20;", "24;"),),
     "nopf": (
         ("    pf_b = b + 1 < batch ? b + 1 : -1;", "    pf_b = -1;"),
         ("      if (QBUF == 2 && b + 1 < batch) {", "      if (false) {"),
     ),
 }
-VARIANT_ROWS = (
-    "b256n2",
-    "b64L64kn2",
-    "skew128n2",
-    "d64n2",
-    "d32n2",
-    "b128n3",
-    "skew32",
-    "b32",
-    "d32",
-)
-# Rows whose variants are also timed in a forced config (column "<variant>-<config>").
-VARIANT_CONFIGS = {
-    "d64n2": TmaConfig(4, 12, 4, 1, 1, 0, 112),
-    "d32n2": TmaConfig(4, 24, 4, 1, 1, 0, 112),
-}
+VARIANT_ROWS = ("skew32", "b32", "skew128n2", "b1024", "b256")
+# Rows whose variants are also timed in a forced config (column "<variant>-<config>"); round
+# 16 timed the weights' variants at d64n2 / d32n2 in their one-Q-buffer configs this way.
+VARIANT_CONFIGS: dict[str, TmaConfig] = {}
