@@ -108,7 +108,7 @@ def _one_spec_per_family() -> dict:
 
     for spec in QSA.prebuild_specs(QSA.load_workloads(), with_options(tmma=False, lean=False)):
         specs.setdefault(spec.family, spec)
-    # The short single pass: opt-in (run_kernels(short=True)), never prebuilt.
+    # The short single pass: prebuilt for sm_90a only (Qsa.prebuilt_on), so not met above.
     from flashinfer_jit.qsa import short
 
     family, params = short.short_plan(16, 128, True, short.SHORT_DEFAULT, True, False)

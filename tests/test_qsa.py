@@ -396,4 +396,6 @@ def test_prebuild_specs_cover_workloads():
         assert family.spec(params).label in labels  # the single pass in the shipped loop form
     families = {"qsa_slots", "qsa_decode_cluster"}
     families.add("qsa_decode_form" if shipped.tmma or shipped.lean else "qsa_decode")
+    if shipped.short is not False:  # sm_90's short single pass (Qsa.prebuilt_on: sm_90a only)
+        families.add("qsa_decode_short")
     assert {s.family for s in specs} == families

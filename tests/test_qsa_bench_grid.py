@@ -1,6 +1,6 @@
 """tools/qsa_bench_grid.py without a GPU: issue 22's sweep covers the issue's ranges, launches
-only shipped specializations (a bounded number, built before timing), splits into parts
-that cover it once, and turns measurements into rows, verdicts, a table and JSON."""
+only shipped specializations (a bounded number, built before timing), times the short single
+pass around its threshold, splits into parts that cover it once, and turns measurements into rows, verdicts, a table and JSON."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from flashinfer_jit.qsa import warmup
 from flashinfer_jit.qsa.checks import MAX_GROUP
@@ -40,8 +42,8 @@ def test_grid_covers_the_issue_ranges():
 
 def test_variants_and_dispatcher_pick():
     below, above = grid.Point(128, 128, 8, 2048), grid.Point(4096, 128, 8, 4096)
-    assert set(grid.variants_of(below, SMS, CLUSTERS)) == {"k1", "k2", "k4", "split"}
-    assert set(grid.variants_of(above, SMS, CLUSTERS)) == {"k1"}
+    assert set(grid.variants_of(below, SMS, CLUSTERS)) == {"k1", "k2", "k4", "split", "short"}
+    assert set(grid.variants_of(above, SMS, CLUSTERS)) == {"k1", "short"}  # topk 4096: timed
     # the issue's first shape: the table's 2-CTA split, the same launch as k2
     assert grid.timed_labels(below, SMS, CLUSTERS)["split"] == "k2"
     assert (
@@ -53,6 +55,34 @@ def test_variants_and_dispatcher_pick():
     tiny = grid.Point(1, 64, 4, 2048)  # the one-wave split: its own launch
     assert grid.dispatch_variant(tiny, SMS, CLUSTERS).pair
     assert grid.timed_labels(tiny, SMS, CLUSTERS)["split"] == "split"
+    assert "short" not in grid.variants_of(tiny, SMS, CLUSTERS)  # below sm_90's crossover
+
+
+def test_short_column_and_its_threshold_points():
+    """The short single pass is timed from sm_90's single-pass crossover (512 pairs) on
+    wherever it serves the point (D 64/128), picked from the rule's threshold on, and the
+    grid holds points on both sides of it."""
+    for point in grid.grid():
+        variants = grid.variants_of(point, SMS, CLUSTERS)
+        timed = point.pairs >= 512 and point.head_dim in (64, 128)
+        assert ("short" in variants) is timed, point
+        pick = grid.pick_label(point, grid.dispatch_variant(point, SMS, CLUSTERS), SMS, CLUSTERS)
+        rule = point.pairs >= 2112 and point.topk <= 2048 and point.head_dim in (64, 128)
+        assert (pick == "short") is rule, point
+    pairs = {p.pairs for p in grid.grid() if "short" in grid.variants_of(p, SMS, CLUSTERS)}
+    assert {512, 1024, 1536, 2048, 2112, 3072, 4096} <= pairs
+    assert grid.resolve(grid.Point(4096, 16, 1, 256), grid.SHORT_VARIANT, SMS)[0] == "short"
+    selected = grid.select_pairs(grid.grid(), "512:4096")
+    assert selected and all(512 <= p.pairs <= 4096 for p in selected)
+    assert grid.select_pairs(grid.grid(), "4097:") == [p for p in grid.grid() if p.pairs > 4096]
+    assert grid.select_pairs(grid.grid(), None) == grid.grid()
+    with pytest.raises(ValueError, match="LO:HI"):
+        grid.select_pairs(grid.grid(), "512")
+    row = grid.summarize(grid.Point(4096, 16, 1, 256), 60.0,
+                         {"k1": 125.9, "short": 104.7, "disp": 105.0}, "short")  # fmt: skip
+    assert row["best"] == "short" and row["misses"] == ["floor<85%"]
+    assert grid.gate_lines([row], ("short",)) == ["16/1 topk 256 page 64 D 128: 4096 0.83"]
+    assert grid.gate_lines([row]) == []  # no split timed
 
 
 def test_specs_are_shipped_and_bounded():
@@ -60,13 +90,10 @@ def test_specs_are_shipped_and_bounded():
     specs = grid.sweep_specs(points, SMS, CLUSTERS)
     assert 0 < len(specs) <= 60  # ~1 s each, built in parallel before timing
     options = QsaOptions()
+    forms = (options.slot_entries, options.tmma, options.lean, True)  # the short pass too
     shipped = set()
     for p in points:
-        shipped.update(
-            warmup.all_specs(
-                p.group, p.head_dim, p.page, options.slot_entries, options.tmma, options.lean
-            )
-        )
+        shipped.update(warmup.all_specs(p.group, p.head_dim, p.page, *forms))
     # Beyond the shipped set only the sweep's forced 2- and 4-CTA splits without in-kernel
     # slots on grids small enough to step two chunks at a time: the dispatcher never
     # launches those (qsa.kernels.table_pairs_unfused), so prebuild leaves them to the sweep.
@@ -106,10 +133,16 @@ def test_rows_verdicts_table_and_json(tmp_path):
 
 
 def test_bench_lists_the_sweep_without_a_gpu():
-    """``bench_qsa.py --list``: the device run's points and cost model, here on the CPU."""
-    command = [sys.executable, str(ROOT / "tools" / "bench_qsa.py"), "--list", "--part", "1/2"]
+    """``bench_qsa.py --list``: the device run's points and cost model, here on the CPU;
+    ``--help`` parses."""
+    tool = [sys.executable, str(ROOT / "tools" / "bench_qsa.py")]
+    command = [*tool, "--list", "--pairs", "512:4096", "--part", "1/2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert f"{len(grid.select_part(grid.grid(), '1/2'))} points; NVRTC specializations" in lines[-3]
+    points = grid.select_part(grid.select_pairs(grid.grid(), "512:4096"), "1/2")
+    assert f"{len(points)} points; NVRTC specializations" in lines[-3]
+    assert "qsa_decode_short" in lines[-3] and "dispatcher short (short)" in done.stdout
     assert lines[-1].startswith("model seconds:")
+    done = subprocess.run([*tool, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0 and "--pairs" in done.stdout and "--dispatch-sweep" in done.stdout

@@ -21,6 +21,7 @@ from flashinfer_jit.qsa import (
 )
 from flashinfer_jit.qsa.op import run_kernels
 from flashinfer_jit.qsa.reference import qsa_decode_torch
+from flashinfer_jit.qsa.short import short_min_pairs
 
 from .test_qsa import add_hazards, args_of, assert_close, make_case, ref_of
 
@@ -354,17 +355,21 @@ def test_gpu_warmup_then_no_compile(jit_cache, strict):
     ready = warmup_qsa_fp8_decode(kv, bt, num_query_heads=16, selection_width=512)
     shipped = qsa.OP.default.options
     single = "qsa_decode_form" if shipped.tmma or shipped.lean else "qsa_decode"  # its loop form
-    assert {name for name, _ in ready} == {"qsa_slots", single, "qsa_decode_cluster"}
+    expected = {"qsa_slots", single, "qsa_decode_cluster"}
+    if qsa_plan.capability(0) == (9, 0):  # and sm_90's short single pass (qsa/short.py)
+        expected.add("qsa_decode_short")
+    assert {name for name, _ in ready} == expected
     # Every kernel a call can reach is now loaded: a later call compiles nothing.
     os.environ["FLASHINFER_JIT_DISABLE"] = "1"
     try:
         k_cache, v_cache = kv.transpose(1, 2).split(128, dim=-1)
         # topk 512, Hkv 2: rows=2 takes a fused 4-CTA cluster of cp.async gathers (16 CTAs),
-        # rows=80 a fused 2-CTA cluster of bulk copies (320 CTAs: more than two waves)
+        # rows=80 a fused 2-CTA cluster of bulk copies (320 CTAs: more than two waves); many
+        # rows the single pass or (sm_90) the short single pass
         assert [
             qsa_plan.dispatch_split(r, 2, 512, 128, torch.uint8, 0).num_splits for r in (2, 80)
         ] == [4, 2]
-        for rows in (2, 80):
+        for rows in (2, 80, -(-short_min_pairs(qsa_plan.sm_count(0)) // 2)):
             case = make_case(
                 rows=rows,
                 hq=16,

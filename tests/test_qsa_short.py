@@ -1,6 +1,6 @@
-"""The short single pass (flashinfer_jit/qsa/short.py, opt-in, not dispatched): its configs'
-residency, its launch plan (CPU, kernels stubbed), its kernels compiled without spills for
-sm_90a and sm_100a; on the GPU every config with and without the row order against the
+"""The short single pass's configs (flashinfer_jit/qsa/short.py; the dispatcher's rule and
+the config it takes: tests/test_qsa_short_dispatch.py): their residency, its launch plan
+(CPU, kernels stubbed), its kernels compiled without spills for sm_90a and sm_100a; on the GPU every config with and without the row order against the
 float64 reference (hazards: -1 indices, counts 0 and past TOPK, bad requests and pages;
 selections shorter than a chunk and longer than the stages; odd groups; both caches), many
 rows of uneven counts, other head dims and a CUDA graph replay.
@@ -110,23 +110,29 @@ COMPILED += [("sm_90a", 5, 64, qs.SHORT_DEFAULT), ("sm_90a", 5, 256, (1, 2, 4))]
 COMPILED += [("sm_100a", 16, 128, qs.SHORT_DEFAULT), ("sm_100a", 8, 128, qs.SHORT_CONFIGS["w2s3"])]
 
 
-def test_short_kernels_compile_without_spills(tmp_path):
-    pytest.importorskip("cuda.bindings.nvrtc")
+def assert_compiles_without_spills(spec, arch: str, tmp_path) -> None:
+    """``spec`` compiles for ``arch`` without a message, and (where cuobjdump is installed)
+    without local memory or a stack."""
     from flashinfer_jit._jit import TEMPLATE_ROOT
     from jit_kernels import compile_cubin, render
     from jit_kernels.params import cuobjdump
 
+    kernel = compile_cubin(render(spec, TEMPLATE_ROOT), arch)
+    assert kernel.messages == "", kernel.messages
     tool = cuobjdump()
+    if tool is None:
+        return
+    path = tmp_path / "k.cubin"
+    path.write_bytes(kernel.cubin)
+    usage = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True)
+    assert "LOCAL:0" in usage.stdout and "STACK:0" in usage.stdout, (arch, spec, usage.stdout)
+
+
+def test_short_kernels_compile_without_spills(tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc")
     for arch, group, d, config in COMPILED:
         family, params = qs.short_plan(group, d, d == 128, config, True, False)
-        kernel = compile_cubin(render(family.spec(params), TEMPLATE_ROOT), arch)
-        assert kernel.messages == "", kernel.messages
-        if tool is None:
-            continue
-        path = tmp_path / "k.cubin"
-        path.write_bytes(kernel.cubin)
-        usage = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True)
-        assert "LOCAL:0" in usage.stdout and "STACK:0" in usage.stdout, (arch, params, usage.stdout)
+        assert_compiles_without_spills(family.spec(params), arch, tmp_path)
 
 
 # -- GPU -----------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
     python tools/bench_qsa.py --wave                  # the one-wave split rule's sweep
     python tools/bench_qsa.py --ncu-one [--splits K]  # ONE decode launch, rows=512 (for ncu)
     python tools/bench_qsa.py --dispatch-sweep [--json F] [--part i/n] [--seed-triton PATH]
-    python tools/bench_qsa.py --list [--part i/n]     # that sweep's grid and cost, no GPU
+    python tools/bench_qsa.py --list [--part i/n] [--pairs LO:HI]  # its grid and cost, no GPU
     python tools/bench_qsa.py --short [--json F]      # the short single pass (qsa_short_bench.py)
 
 Inputs follow the issue: D=128, page 64, valid_count uniform in [topk/2, topk] and -1 past
@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashinfer_jit import qsa  # noqa: E402
 from flashinfer_jit.qsa import kernels as qk  # noqa: E402
 from flashinfer_jit.qsa import plan as qsa_plan  # noqa: E402
+from flashinfer_jit.qsa import short as qs  # noqa: E402
 from flashinfer_jit.qsa.op import run_kernels  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -125,8 +126,9 @@ def dispatcher(args):
 
 
 def dispatch_split(rows, hkv, topk) -> tuple:
-    """The dispatcher's (splits, config, pair) on this device (D=128, uint8 cache)."""
-    variant = qsa_plan.dispatch_split(rows, hkv, topk, HEAD_DIM, torch.uint8, 0)
+    """The dispatcher's (splits, config, pair) on this device (D=128, uint8 cache), the
+    short single pass left out: the alternatives vary the single pass and the clusters."""
+    variant = qsa_plan.dispatch_split(rows, hkv, topk, HEAD_DIM, torch.uint8, 0, short=False)
     return variant.num_splits, variant.config, variant.pair
 
 
@@ -305,6 +307,8 @@ def parse_args() -> argparse.Namespace:
     sweep.add_argument("--list", action="store_true", help="its points and cost model; no GPU")
     sweep.add_argument("--json", help="write every row here (rewritten after each point)")
     sweep.add_argument("--part", help="i/n: only part i of n (cost-balanced), e.g. 1/2")
+    sweep.add_argument("--pairs", help="LO:HI: only points with LO <= rows x Hkv <= HI (before "
+                       "--part), e.g. 512:4096 for the short single pass's threshold")  # fmt: skip
     sweep.add_argument("--seed-triton", help="the seed's Triton module (default: .device/anchors/"
                        "qsa_seed_triton.py if present, else ../shared/anchors/)")  # fmt: skip
     sweep.add_argument("--jobs", type=int, help="NVRTC build processes (default: min(16, CPUs))")
@@ -330,6 +334,10 @@ def banner() -> dict:
         f"{qk.BULK_CLUSTER} 2-CTA clusters over two waves, other clusters {qk.CLUSTER_CONFIG}",
         flush=True,
     )
+    print(f"sm_90: the single pass from rows*Hkv >= {qk.DECODE_MIN_PROGRAMS_SM90}; in its place "
+          f"the short single pass {qs.SHORT_DISPATCH} (rows in order) from "
+          f"{qs.SHORT_MIN_PAIRS_PER_SM} pairs per SM at head_dim {qs.SHORT_HEAD_DIMS}, topk <= "
+          f"{qs.SHORT_MAX_TOPK} (short.takes_short)", flush=True)  # fmt: skip
     return info
 
 

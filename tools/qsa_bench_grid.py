@@ -21,19 +21,26 @@ from pathlib import Path
 from qsa_bench_util import BANDWIDTH, n_sets_for
 
 from flashinfer_jit.qsa import kernels as qk
-from flashinfer_jit.qsa.plan import QsaOptions, Variant
+from flashinfer_jit.qsa import short as qs
+from flashinfer_jit.qsa.plan import SHORT_VARIANT, QsaOptions, Variant
 from jit_kernels import KernelSpec
 
 GATE = qk.DECODE_MIN_PROGRAMS  # rows x Hkv from which the dispatcher takes the single pass
 H200_SMS = 132
+H200_CAP = (9, 0)
 # Our kernels, as columns: k1 the single pass (slot pass + decode: qsa_sparse_paged_decode),
 # k2 / k4 a thread block cluster of 2 / 4 CTAs per (row, kv head) under the shipped gather
 # rule (kernels.gather_choice), "split" what launch_split (the dispatcher below the gate)
 # picks, often the one-wave split. k2 is timed up to 4x the gate, so the sweep shows
 # whether the split should reach past it; k4 up to half the gate (more splits only add
-# merges once a 2-CTA grid fills the device).
-OURS = ("k1", "k2", "k4", "split")
+# merges once a 2-CTA grid fills the device). "short": the short single pass as the
+# dispatcher takes it (plan.SHORT_VARIANT), wherever it serves the point (short.short_choice
+# forced on) from sm_90's single-pass crossover on, so the sweep shows where it should start
+# (short.SHORT_MIN_PAIRS_PER_SM, provisional) and end (SHORT_MAX_TOPK: topk 4096 timed too).
+SPLITS = ("k2", "k4", "split")
+OURS = ("k1", *SPLITS, "short")
 K2_MAX_PAIRS, K4_MAX_PAIRS = 4 * GATE, GATE // 2
+SHORT_MIN_TIMED = qk.DECODE_MIN_PROGRAMS_SM90  # below it sm_90 splits: no short pass there
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +84,10 @@ SHORT_HEADS, SHORT_ROWS, SHORT_TOPKS = ((32, 8), (8, 1)), (1, 16, 64, 512, 4096)
 SIDE_ROWS = (4, 128, 1024)
 # BENCHMARKS.md's QSA rows not on the grid, so one run refreshes that table too.
 EXTRA = (Point(2048, 32, 4, 1024), Point(256, 32, 8, 4096))
+# Around the short single pass's provisional threshold (2112 pairs on 132 SMs), between the
+# grid's 2048 and 4096 pairs, at round 10's short and long selections.
+SHORT_EDGE_PAIRS = (1536, 2112, 3072)
+SHORT_EDGE_HEADS = ((16, 1, 256), (64, 4, 512), (128, 8, 2048))  # (Hq, Hkv, topk)
 
 
 def grid() -> list[Point]:
@@ -87,7 +98,22 @@ def grid() -> list[Point]:
     ]
     points += [Point(r, 64, 4, 2048, page=p) for p in (16, 32, 128) for r in SIDE_ROWS]
     points += [Point(r, 64, 4, 2048, head_dim=d) for d in (64, 256) for r in SIDE_ROWS]
+    points += [
+        Point(n // hkv, hq, hkv, t) for hq, hkv, t in SHORT_EDGE_HEADS for n in SHORT_EDGE_PAIRS
+    ]
     return points + [p for p in EXTRA if p not in points]
+
+
+def select_pairs(points: Sequence[Point], pairs: str | None) -> list[Point]:
+    """--pairs ``"LO:HI"``: the points with LO <= rows x Hkv <= HI (either end may be left
+    out); all of them without."""
+    if not pairs:
+        return list(points)
+    lo, sep, hi = pairs.partition(":")
+    if not sep:
+        raise ValueError(f"--pairs wants LO:HI (e.g. 512:4096), got {pairs}")
+    low, high = int(lo or 0), int(hi) if hi else None
+    return [p for p in points if low <= p.pairs and (high is None or p.pairs <= high)]
 
 
 def variants_of(point: Point, sms: int, clusters: qk.Clusters) -> dict[str, Variant]:
@@ -99,11 +125,16 @@ def variants_of(point: Point, sms: int, clusters: qk.Clusters) -> dict[str, Vari
         out["k4"] = Variant(4)
     if point.pairs < GATE:
         out["split"] = dispatch_variant(point, sms, clusters)
+    if point.pairs >= SHORT_MIN_TIMED and point.head_dim in qs.SHORT_HEAD_DIMS and point.topk:
+        out["short"] = SHORT_VARIANT
     return out
 
 
 def dispatch_variant(point: Point, sms: int, clusters: qk.Clusters) -> Variant:
-    """plan.dispatch_split without a device (``sms`` and ``clusters`` given)."""
+    """plan.dispatch_split without a device (``sms`` and ``clusters`` given, sm_90's short
+    rule; the split gate GATE)."""
+    if qs.takes_short(H200_CAP, point.head_dim, point.topk, point.pairs, sms):
+        return SHORT_VARIANT
     if point.pairs >= GATE:
         return Variant()
     args = (point.rows, point.hkv, point.topk, point.head_dim, sms, clusters)
@@ -113,7 +144,11 @@ def dispatch_variant(point: Point, sms: int, clusters: qk.Clusters) -> Variant:
 
 def resolve(point: Point, variant: Variant, sms: int) -> tuple:
     """(splits, fused, bulk, config, pair) that plan.decode_launch launches for ``variant``
-    (the bench's caches are the combined layout: bulk copies apply at D=128 on sm_90)."""
+    (the bench's caches are the combined layout: bulk copies apply at D=128 on sm_90);
+    splits "short" for the short single pass, pair its row order."""
+    if variant.short:
+        config = qs.checked_short_config(variant.config, point.head_dim, point.head_dim == 128)
+        return "short", False, point.head_dim == 128, config, variant.order
     splits = variant.num_splits if point.topk else 1
     cluster = splits if splits > 1 else 0
     fused = variant.fused
@@ -129,20 +164,12 @@ def resolve(point: Point, variant: Variant, sms: int) -> tuple:
 def plans_of(point: Point, key: tuple, options: QsaOptions) -> list[qk.Plan]:
     """The kernels (family, parameters) of one resolved variant, as plan.decode_launch."""
     splits, fused, bulk, config, pair = key
+    if splits == "short":
+        short = qs.short_plan(point.group, point.head_dim, bulk, config, options.tmma, pair)
+        return [short, qk.slot_plan(point.page, pair, options.slot_entries)]
     cluster = splits if splits > 1 else 0
-    plans = [
-        qk.decode_plan(
-            point.group,
-            point.head_dim,
-            cluster,
-            fused,
-            bulk,
-            config,
-            options.tmma,
-            options.lean,
-            pair,
-        )  # fmt: skip
-    ]
+    forms = (options.tmma, options.lean, pair)
+    plans = [qk.decode_plan(point.group, point.head_dim, cluster, fused, bulk, config, *forms)]
     if not fused:
         plans.append(qk.slot_plan(point.page, not cluster, options.slot_entries))
     return plans
@@ -261,9 +288,10 @@ def list_lines(points: Sequence[Point]) -> list[str]:
         shown = ",".join(k if k == v else f"{k}={v}" for k, v in labels.items())
         chosen = dispatch_variant(point, H200_SMS, h200_clusters)
         pick = pick_label(point, chosen, H200_SMS, h200_clusters)
+        kind = "short" if chosen.short else f"k{chosen.num_splits}"
         lines.append(
             f"{point.name:>22}  pairs {point.pairs:>6}  floor~{point.est_floor_us():8.1f} µs  "
-            f"sets {n_sets(point):>2}  times {shown:<24}  dispatcher {pick} (k{chosen.num_splits})  "
+            f"sets {n_sets(point):>2}  times {shown:<24}  dispatcher {pick} ({kind})  "
             f"~{point_seconds(point):.1f} s"
         )
     specs = sweep_specs(points, H200_SMS, h200_clusters)
@@ -335,13 +363,14 @@ def table_row(row: dict) -> list[object]:
     return [*cells, ",".join(row["misses"]) or "ok"]
 
 
-def gate_lines(rows: Iterable[dict]) -> list[str]:
-    """Per geometry, by rows x Hkv: the best split's time over the single pass's (< 1: a
-    split wins there), the data the gate is derived from."""
+def gate_lines(rows: Iterable[dict], labels: Sequence[str] = SPLITS) -> list[str]:
+    """Per geometry, by rows x Hkv: the best of ``labels``' times over the single pass's
+    (< 1: they win there), the data a gate is derived from: the splits' (the single pass's
+    crossover) or ("short",) the short single pass's threshold."""
     groups: dict[str, list[tuple[int, float]]] = {}
     for row in rows:
         times, p = row["times_us"], row["point"]
-        splits = [times[k] for k in OURS[1:] if isinstance(times.get(k), float)]
+        splits = [times[k] for k in labels if isinstance(times.get(k), float)]
         if isinstance(times.get("k1"), float) and splits:
             key = f"{p['hq']}/{p['hkv']} topk {p['topk']} page {p['page']} D {p['head_dim']}"
             groups.setdefault(key, []).append((row["pairs"], min(splits) / times["k1"]))

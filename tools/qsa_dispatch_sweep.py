@@ -1,8 +1,8 @@
 """``tools/bench_qsa.py --dispatch-sweep``: issue 22's sweep on the GPU (grid, columns and
-bar: tools/qsa_bench_grid.py). Per point: our kernels (k1, k2, k4, the dispatcher's split),
-the dispatcher and the seed's Triton kernel, each checked against the torch path and then
-timed as CUDA-graph replays per call over input sets cycled past 4x L2; a failure prints
-and the run goes on. Every NVRTC specialization the points reach is built first, in
+bar: tools/qsa_bench_grid.py). Per point: our kernels (k1, k2, k4, the dispatcher's split,
+the short single pass), the dispatcher and the seed's Triton kernel, each checked against
+the torch path and then timed as CUDA-graph replays per call over input sets cycled past
+4x L2; a failure prints and the run goes on. Every NVRTC specialization the points reach is built first, in
 parallel worker processes (the run would otherwise compile them one at a time as it goes).
 A progress line per point, and the JSON rewritten after each, so a killed run keeps what
 it measured; the table prints last.
@@ -38,6 +38,7 @@ from flashinfer_jit import qsa
 from flashinfer_jit._jit import TEMPLATE_ROOT
 from flashinfer_jit._version import __version__
 from flashinfer_jit.qsa import plan as qsa_plan
+from flashinfer_jit.qsa import short as qs
 from flashinfer_jit.qsa.op import run_kernels
 from jit_kernels import device_arch, sm_count
 from jit_kernels.prebuild import BuildTask, build_all
@@ -92,8 +93,9 @@ def precompile(points: Sequence[grid.Point], sms: int, clusters, jobs: int) -> N
 def runner(variant: qsa_plan.Variant) -> Callable:
     v = variant
     return lambda a: run_kernels(
-        a, v.num_splits, v.fused, config=v.config, bulk=v.bulk, pair=v.pair
-    )
+        a, v.num_splits, v.fused, config=v.config, bulk=v.bulk, pair=v.pair, short=v.short,
+        order=v.order,
+    )  # fmt: skip
 
 
 def captured(run: Callable, sets: list, expect: torch.Tensor, tol: float) -> object:
@@ -179,6 +181,10 @@ def report(rows: list[dict]) -> None:
     done = [r for r in rows if "times_us" in r]
     print("\n== gate data: best split µs / single pass (k1) µs by rows x Hkv (< 1: a split wins)")
     print("\n".join(grid.gate_lines(done)))
+    print("\n== short gate data: short single pass µs / single pass (k1) µs by rows x Hkv "
+          f"(< 1: short wins; provisional rule: from {qs.short_min_pairs(sm_count(0))} pairs "
+          f"on this device's {sm_count(0)} SMs)")  # fmt: skip
+    print("\n".join(grid.gate_lines(done, ("short",))))
     print("\n== QSA dispatch sweep: graph µs per call, whole call; floor = selected K/V + q, "
           "gate, out, indices over 4.24 TB/s; bar: disp <= 1.03 x best of ours, >= 85% of "
           "floor where floor >= 50 µs, >= 4x triton where rows x Hkv <= 128")  # fmt: skip
@@ -192,7 +198,7 @@ def sweep_main(opts: argparse.Namespace, banner: Callable[[], dict]) -> None:
     """--list (no GPU) or --dispatch-sweep; ``banner`` warms the GPU and returns the
     device's description for the JSON's meta."""
     deadline = time.perf_counter() + opts.time_limit
-    points = grid.select_part(grid.grid(), opts.part)
+    points = grid.select_part(grid.select_pairs(grid.grid(), opts.pairs), opts.part)
     if opts.list:
         print("\n".join(grid.list_lines(points)))
         return
@@ -200,7 +206,8 @@ def sweep_main(opts: argparse.Namespace, banner: Callable[[], dict]) -> None:
     precompile(points, sms, clusters, opts.jobs or min(16, os.cpu_count() or 1))
     seed_path = Path(opts.seed_triton) if opts.seed_triton else default_seed_path()
     seed_fn = load_seed(seed_path)
-    meta = {**banner(), "part": opts.part, "points": len(points), "gate": grid.GATE}
+    meta = {**banner(), "part": opts.part, "pairs": opts.pairs, "points": len(points)}
+    meta |= {"gate": grid.GATE, "short_min_pairs_per_sm": qs.SHORT_MIN_PAIRS_PER_SM}
     meta |= {"sms": sms, "clusters": {k: clusters(k) for k in range(2, 9)}}
     meta |= {"seed": str(seed_path) if seed_fn else None, "version": __version__}
     if seed_fn is not None:

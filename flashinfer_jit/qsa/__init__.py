@@ -1,9 +1,10 @@
 """QSA fp8 sparse paged decode: a slot pass, a single-pass kernel and cluster split-K.
 
 ``op`` is the op (public entry points); ``checks`` (arguments, the kernels' refusals),
-``kernels`` (families, configs, the split rule), ``plan`` (a call's launches, the launch
-options), ``launch`` (their arguments), ``warmup`` (warm-up, prebuild) and ``reference``
-(the torch path, which defines the semantics).
+``kernels`` (families, configs, the split rule), ``short`` (the short single pass and the
+rule that takes it), ``plan`` (a call's launches, the launch options), ``launch`` (their
+arguments), ``warmup`` (warm-up, prebuild) and ``reference`` (the torch path, which defines
+the semantics).
 """
 
 from .op import OP, qsa_sparse_paged_attention, qsa_sparse_paged_decode

@@ -5,7 +5,8 @@
 over the cache tokens row r selects (see ``reference.resolve_entries`` for what is
 attended). ``dispatch`` (the attention entry point) lets small batches split the
 selection over a thread block cluster (``plan.dispatch_split``); the decode entry point
-always takes the single pass.
+always takes the single pass. Both take the short single pass (``short.py``) in place of
+the single pass where ``short.takes_short`` says (sm_90: many rows, short selections).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from .._jit import cuda_device_index
 from ..contract import Op, ScalarArg, TensorArg
 from .checks import WORKLOAD_FIELDS, check_args, kernel_refusal
 from .launch import DecodeLaunch
-from .plan import QsaOptions, Variant, decode_launch, dispatch_split
+from .plan import QsaOptions, Variant, decode_launch, dispatch_split, single_pass_variant
 from .reference import qsa_decode_torch
+from .short import short_prebuilt_on
 from .warmup import prebuild_specs
 
 
@@ -55,13 +57,13 @@ class Qsa(Op[DecodeLaunch, QsaOptions]):
         return kernel_refusal(q, k_cache, v_cache, logical_indices, out, output_gate)
 
     def plan(self, args: tuple, options: QsaOptions) -> DecodeLaunch:
-        variant = Variant()
+        q, k_cache, indices = args[0], args[1], args[3]
+        shape = (q.shape[0], k_cache.shape[2], indices.shape[1] - 1, q.shape[2])
+        device = cuda_device_index(q)
         if args[10]:
-            q, k_cache, indices = args[0], args[1], args[3]
-            variant = dispatch_split(
-                q.shape[0], k_cache.shape[2], indices.shape[1] - 1, q.shape[2], k_cache.dtype,
-                cuda_device_index(q),
-            )  # fmt: skip
+            variant = dispatch_split(*shape, k_cache.dtype, device, options.short)
+        else:
+            variant = single_pass_variant(*shape, device, options.short)
         return decode_launch(args, options, variant)
 
     def reference(self, args: tuple) -> None:
@@ -72,6 +74,9 @@ class Qsa(Op[DecodeLaunch, QsaOptions]):
 
     def prebuild_specs(self, workloads: dict, options: QsaOptions) -> list[KernelSpec]:
         return prebuild_specs(workloads, options)
+
+    def prebuilt_on(self, spec: KernelSpec, arch: str) -> bool:
+        return short_prebuilt_on(spec, arch)
 
 
 OP = Qsa()
@@ -112,7 +117,8 @@ def qsa_sparse_paged_decode(
     block_table: torch.Tensor, token_to_req: torch.Tensor, out: torch.Tensor,
     output_gate: torch.Tensor, softmax_scale: float, output_scale: float,
 ) -> torch.Tensor:
-    """Sparse GQA over an e4m3 paged cache, single pass: one CTA per (row, kv head).
+    """Sparse GQA over an e4m3 paged cache, single pass: one CTA per (row, kv head) (on
+    sm_90 over many rows with short selections, the short single pass's 1-warp CTAs).
 
     ``q``/``out``/``output_gate`` are [rows, Hq, D] bf16; ``k_cache``/``v_cache`` are
     [num_blocks, page_size, Hkv, D] e4m3 (float8_e4m3fn or uint8 codes) with any strides
@@ -134,6 +140,7 @@ def qsa_sparse_paged_attention(
     the crossover each (row, kv head)'s selection is split over a thread block cluster
     (``kernels.launch_split``: as many CTAs as keep every cluster resident at once, one
     per SM, where that holds) whose CTAs merge their partials through distributed shared
-    memory.
+    memory. On sm_90, calls of many rows with short selections take the short single pass
+    (``short.takes_short``; ``QsaOptions.short`` forces it off or on).
     """
 # fmt: on

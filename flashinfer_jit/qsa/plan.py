@@ -35,7 +35,7 @@ from .kernels import (
     wave_smem_bytes,
 )
 from .launch import DecodeLaunch, SlotPass
-from .short import SHORT_DEFAULT, checked_short_config, short_plan
+from .short import SHORT_DEFAULT, SHORT_DISPATCH, checked_short_config, short_choice, short_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,16 +54,23 @@ class QsaOptions(Options):
     410.7; all four off 248.1 / 484.0 / 422.9; each one off: no PDL 243.3 / 451.8 / 416.0,
     1 slot entry 245.8 / 454.2 / 416.4, no TMMA - / 473.0 / 416.3, no LEAN 243.1 / 458.1 /
     414.0. The other forms stay reachable for that comparison and are GPU-tested.
+    ``short``: the short single pass (``short.py``, SHORT_DISPATCH in the slot pass's row
+    order): None where ``short.takes_short`` says (sm_90, many rows, short selections);
+    False never; True every call it serves (head_dim 64 or 128, topk > 0; a call at another
+    head dim raises ValueError).
     """
 
     pdl: bool = True
     slot_entries: int = 4
     tmma: bool = True
     lean: bool = True
+    short: bool | None = None
 
     def __post_init__(self) -> None:
         if self.slot_entries not in SLOT_ENTRIES:
             raise ValueError(f"slot_entries must be one of {SLOT_ENTRIES}, got {self.slot_entries}")
+        if self.short is not None and not isinstance(self.short, bool):
+            raise TypeError(f"short must be None, True or False, got {self.short!r}")
 
 
 def bulk_ok(k_cache, v_cache, device: int) -> bool:
@@ -250,14 +257,41 @@ def _single_pass(base_programs: int, cache_dtype: torch.dtype, least: int) -> bo
     return cache_dtype in FP8_CACHE_DTYPES and base_programs >= least
 
 
+# The short single pass as the dispatcher launches it (short.takes_short, QsaOptions.short).
+SHORT_VARIANT = Variant(config=SHORT_DISPATCH, short=True, order=True)
+
+
 def dispatch_split(
-    rows: int, num_kv_heads: int, topk: int, head_dim: int, cache_dtype: torch.dtype, device: int
+    rows: int,
+    num_kv_heads: int,
+    topk: int,
+    head_dim: int,
+    cache_dtype: torch.dtype,
+    device: int,
+    short: bool | None = None,
 ) -> Variant:
     """The dispatcher's variant for a call: 1 split (the single pass) from the device's
-    crossover on, else kernels.launch_split on this device's SMs and clusters."""
-    least = decode_min_programs(capability(device))
-    if _single_pass(rows * num_kv_heads, cache_dtype, least):
+    crossover on, else kernels.launch_split on this device's SMs and clusters; the short
+    single pass in place of either where ``short`` (QsaOptions.short) and
+    short.short_choice say."""
+    cap, pairs = capability(device), rows * num_kv_heads
+    least = decode_min_programs(cap)
+    single = _single_pass(pairs, cache_dtype, least)
+    if short_choice(short, cap, head_dim, topk, pairs, sm_count(device), single):
+        return SHORT_VARIANT
+    if single:
         return Variant()
     sms, clusters = sm_count(device), wave_clusters(device)
     splits, config, pair = launch_split(rows, num_kv_heads, topk, head_dim, sms, clusters, least)
     return Variant(splits, None, config, None, pair)
+
+
+def single_pass_variant(
+    rows: int, num_kv_heads: int, topk: int, head_dim: int, device: int, short: bool | None = None
+) -> Variant:
+    """The single-pass entry point's variant: the single pass, or the short single pass
+    where ``short`` (QsaOptions.short) and short.short_choice say."""
+    cap, pairs = capability(device), rows * num_kv_heads
+    if short_choice(short, cap, head_dim, topk, pairs, sm_count(device), True):
+        return SHORT_VARIANT
+    return Variant()

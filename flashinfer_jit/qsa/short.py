@@ -1,7 +1,10 @@
-"""The short single pass: an opt-in candidate for short selections over many rows (issue 22),
-not dispatched. ``run_kernels(args, short=True, config=..., order=...)`` launches it and
-``tools/bench_qsa.py --short`` times it beside the shipped single pass and the seed's Triton
-kernel.
+"""The short single pass: short selections over many rows (issue 22). On sm_90 the dispatcher
+takes it (``takes_short``: SHORT_DISPATCH with the slot pass's row order) in place of the
+single pass from SHORT_MIN_PAIRS_PER_SM (row, kv head) pairs per SM on;
+``QsaOptions.short`` forces it off or on. ``run_kernels(args, short=True, config=...,
+order=...)`` launches any config, ``tools/bench_qsa.py --short`` times them beside the
+shipped single pass and the seed's Triton kernel, and the dispatch sweep's "short" column
+times the dispatched one.
 
 Why (H200 figures of docs/perf-log/qsa.md, rounds 6 and 8): past the byte floor, the single
 pass costs about the same time per row whatever the selection's length (4096/16/1 at topk
@@ -20,6 +23,8 @@ drops a dependent L2 load from every CTA's chain and the slot pass's sorting CTA
 """
 
 from __future__ import annotations
+
+from jit_kernels import KernelSpec, arch_capability
 
 from .._jit import SM107A_TAKES_SM100A, kernel_family
 from .kernels import (
@@ -58,6 +63,66 @@ SHORT_CONFIGS = {
 }
 SHORT_DEFAULT = SHORT_CONFIGS["w1s4"]
 
+# What the dispatcher takes: w1s2 in the slot pass's row order, the fastest of our kernels
+# at all 8 points of round 10 (H200, docs/perf-log/qsa.md: 1.02-1.21x the single pass k1;
+# D 128, topk 256-2048, 4096 pairs). Head dims 64 and 128 (w1s2's launch bound of 16 CTAs
+# leaves 128 registers, too few for D = 256's accumulators), selections up to the longest
+# measured; sm_90 only (what the H200 measured; sm_100/103/107 keep the single pass).
+SHORT_DISPATCH = SHORT_CONFIGS["w1s2"]
+SHORT_HEAD_DIMS = (64, 128)
+SHORT_MAX_TOPK = 2048
+SHORT_CAPS = ((9, 0),)
+# Provisional, pending the H200 sweep's "short" column (tools/bench_qsa.py --dispatch-sweep:
+# rows x Hkv 512-4096): the short pass from one full wave of w1s2 (16 CTAs an SM), 2112
+# (row, kv head) pairs on the H200's 132 SMs; round 10 measured only 4096 pairs (31 an SM).
+SHORT_MIN_PAIRS_PER_SM = 16
+
+
+def short_min_pairs(sms: int) -> int:
+    """rows x Hkv from which the rule takes the short single pass on ``sms`` SMs."""
+    return SHORT_MIN_PAIRS_PER_SM * sms
+
+
+def takes_short(cap: tuple[int, int], head_dim: int, topk: int, pairs: int, sms: int) -> bool:
+    """The dispatcher's rule (``QsaOptions.short`` None) for a call that takes the single
+    pass anyway: the short single pass on compute capability ``cap`` with ``sms`` SMs at
+    ``pairs`` = rows x Hkv. The sweep moves the threshold here, in one place."""
+    return (
+        cap in SHORT_CAPS
+        and head_dim in SHORT_HEAD_DIMS
+        and 0 < topk <= SHORT_MAX_TOPK
+        and pairs >= short_min_pairs(sms)
+    )
+
+
+def short_choice(
+    option: bool | None,
+    cap: tuple[int, int],
+    head_dim: int,
+    topk: int,
+    pairs: int,
+    sms: int,
+    single: bool,
+) -> bool:
+    """Whether a call takes the short single pass: ``option`` (QsaOptions.short) None, the
+    rule where the call takes the single pass (``single``); False, never; True, every call
+    it serves (head_dim 64 or 128, a selection: topk > 0), any arch, any row count, in
+    place of the single pass or the split. True at another head dim raises ValueError."""
+    if option is None:
+        return single and takes_short(cap, head_dim, topk, pairs, sms)
+    if option and head_dim not in SHORT_HEAD_DIMS:
+        raise ValueError(
+            f"QsaOptions(short=True): the short single pass serves head_dim "
+            f"{' or '.join(map(str, SHORT_HEAD_DIMS))}, got head_dim {head_dim}"
+        )
+    return bool(option) and topk > 0
+
+
+def short_reached(option: bool | None, cap: tuple[int, int], head_dim: int, topk: int) -> bool:
+    """Whether some row count of this geometry takes the short pass (warm-up): the rule's
+    threshold is a number of rows, which a serving step can reach at any width."""
+    return short_choice(option, cap, head_dim, topk, pairs=1 << 62, sms=1, single=True)
+
 
 def short_smem_bytes(head_dim: int, config: Config, bulk: bool) -> int:
     """Dynamic shared memory of a short launch (a single pass's DecodeSmem)."""
@@ -92,3 +157,10 @@ def short_plan(
     index order."""
     tmma = tmma and group <= TMMA_MAX_GROUP
     return decode_short_family, (group, head_dim, *config, bool(bulk), bool(tmma), bool(order))
+
+
+def short_prebuilt_on(spec: KernelSpec, arch: str) -> bool:
+    """Whether prebuild builds ``spec`` for ``arch``: the short single pass only for the
+    archs whose dispatcher takes it (SHORT_CAPS: sm_90a), every other kernel as it supports."""
+    ours = spec.family == decode_short_family.family
+    return spec.supports(arch) and (not ours or arch_capability(arch) in SHORT_CAPS)

@@ -33,6 +33,7 @@ from .kernels import (
     takes_bulk,
 )
 from .plan import QsaOptions, bulk_ok, wave_clusters
+from .short import SHORT_DISPATCH, SHORT_HEAD_DIMS, short_plan, short_reached
 
 
 # TOPK (the issue lists a "TOPK tile count" axis) is not a template parameter: the decode
@@ -52,9 +53,9 @@ def warmup_qsa_fp8_decode(
 
     ``kv_cache`` is the combined [num_blocks, Hkv, page_size, 2 * D] cache (uint8 codes or
     float8_e4m3fn). Returns one (family, parameters) entry per kernel made ready: the slot
-    pass, the single pass and the cluster split-K kernels that calls of any row count reach
-    (split over ``kv_cache.transpose(1, 2).split(D, -1)``), or () where the fp8 kernels do
-    not apply (CPU, dtype, arch, shape, or kernels disabled). ``selection_width`` is TOPK;
+    pass, the single pass, the short single pass and the cluster split-K kernels that calls
+    of any row count reach (split over ``kv_cache.transpose(1, 2).split(D, -1)``), or ()
+    where the fp8 kernels do not apply (CPU, dtype, arch, shape, or kernels disabled). ``selection_width`` is TOPK;
     ``options`` the launch choices the calls will take.
     """
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4:
@@ -80,12 +81,11 @@ def warmup_qsa_fp8_decode(
     ):
         return ()
     device = cuda_device_index(kv_cache)
+    cap = capability(device)
     k_cache, v_cache = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
+    geometry = (num_query_heads // num_kv_heads, head_dim, page_size, num_kv_heads)
     plans = dispatch_plans(
-        num_query_heads // num_kv_heads,
-        head_dim,
-        page_size,
-        num_kv_heads,
+        *geometry,
         selection_width,
         bulk_ok(k_cache, v_cache, device),
         sm_count(device),
@@ -93,7 +93,8 @@ def warmup_qsa_fp8_decode(
         wave_clusters(device),
         options.tmma,
         options.lean,
-        decode_min_programs(capability(device)),
+        decode_min_programs(cap),
+        short_reached(options.short, cap, head_dim, selection_width),
     )
     prepare(plans, device)  # compiled at once, then loaded one by one
     for family, params in plans:
@@ -104,14 +105,13 @@ def warmup_qsa_fp8_decode(
 def prebuild_specs(workloads: dict, options: QsaOptions) -> list[KernelSpec]:
     """Every specialization the shipped workloads can reach with ``options``."""
     specs: set[KernelSpec] = set()
-    entries, forms = options.slot_entries, (options.tmma, options.lean)
+    # the short single pass unless never taken (Qsa.prebuilt_on: on the archs that take it)
+    forms = (options.slot_entries, options.tmma, options.lean, options.short is not False)
     for entry in workloads["configs"]:
         for head_dim in entry["head_dims"]:
             for group in entry["group_sizes"]:
                 for page_size in entry["page_sizes"]:
-                    specs.update(
-                        all_specs(int(group), int(head_dim), int(page_size), entries, *forms)
-                    )
+                    specs.update(all_specs(int(group), int(head_dim), int(page_size), *forms))
     return sorted(specs, key=str)
 
 
@@ -128,15 +128,18 @@ def dispatch_plans(
     tmma: bool = False,
     lean: bool = False,
     min_programs: int = DECODE_MIN_PROGRAMS,
+    short: bool = False,
 ) -> list[Plan]:
     """Every kernel the dispatcher and the single-pass function launch for calls of this
     geometry, whatever their row count: the single pass (its loop form as ``tmma`` and
-    ``lean`` flip it) with its ordered slot pass, and the cluster split-K of each row count
-    below the crossover ``min_programs`` / Hkv (``clusters``: the device's, see
-    launch_split)."""
+    ``lean`` flip it) with its ordered slot pass, the short single pass where ``short``
+    (short.short_reached), and the cluster split-K of each row count below the crossover
+    ``min_programs`` / Hkv (``clusters``: the device's, see launch_split)."""
     single = default_config(head_dim, 0, bulk_ok)
     plans = [slot_plan(page_size, True, entries)]
     plans.append(decode_plan(group, head_dim, 0, False, bulk_ok, single, tmma, lean))
+    if short:  # takes bulk copies wherever the single pass does (gather_choice)
+        plans.append(short_plan(group, head_dim, bulk_ok, SHORT_DISPATCH, tmma, True))
     if not topk:
         return plans  # nothing to split: the single pass serves every row count
     for rows in range(1, -(-min_programs // num_kv_heads)):
@@ -155,16 +158,24 @@ def dispatch_plans(
 
 
 def all_specs(
-    group: int, head_dim: int, page_size: int, entries: int, tmma: bool = False, lean: bool = False
+    group: int,
+    head_dim: int,
+    page_size: int,
+    entries: int,
+    tmma: bool = False,
+    lean: bool = False,
+    short: bool = False,
 ) -> list[KernelSpec]:
     """Every specialization the dispatcher can launch for this geometry on any cache, row
     count and TOPK on devices of up to MAX_SMS SMs (prebuild), the single pass in the loop
-    form ``tmma``/``lean`` pick."""
+    form ``tmma``/``lean`` pick, and (``short``) the short single pass it may take."""
     bulks = (False, True) if head_dim == 128 else (False,)
     plans = [slot_plan(page_size, order, entries) for order in (True, False)]
     for bulk in bulks:
         single = default_config(head_dim, 0, bulk)
         plans.append(decode_plan(group, head_dim, 0, False, bulk, single, tmma, lean))
+        if short and head_dim in SHORT_HEAD_DIMS:
+            plans.append(short_plan(group, head_dim, bulk, SHORT_DISPATCH, tmma, True))
         for cluster in CLUSTER_SIZES:
             # takes_bulk gives bulk copies to 2-CTA clusters only (over two waves of CTAs)
             if bulk and not takes_bulk(True, cluster, grid_ctas=3, sms=1):

@@ -1,0 +1,262 @@
+"""The dispatcher's short single pass (flashinfer_jit/qsa/short.py: takes_short, QsaOptions.short).
+
+CPU: the rule by capability, head dim, topk and rows x Hkv; the kernel each entry point plans
+(kernels stubbed) with the option None, False and True, and its refusals; warm-up and prebuild
+(sm_90a only) holding what it launches; the dispatched kernels compiled without spills. GPU:
+the dispatched path (sm_90) just above and below the threshold, and the forced one on any arch,
+against the float64 reference on fresh inputs with poisoned outputs: -1 indices, topk not a
+multiple of the chunk, pages 16 and 64, D 64 and 128, both caches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashinfer_jit import qsa
+from flashinfer_jit.qsa import kernels as qk
+from flashinfer_jit.qsa import op as qsa_op
+from flashinfer_jit.qsa import plan as qsa_plan
+from flashinfer_jit.qsa import short as qs
+from flashinfer_jit.qsa import warmup as qsa_warmup
+from flashinfer_jit.qsa.plan import SHORT_VARIANT, QsaOptions, Variant
+
+from .test_qsa import add_hazards, args_of, assert_close, make_case, ref_of
+from .test_qsa_short import assert_compiles_without_spills
+from .test_replay import FakeKernel, qsa_args, qsa_stub, stub  # noqa: F401 (fixtures)
+
+H200 = ((9, 0), 132)  # capability, SMs
+W1S2 = qs.SHORT_CONFIGS["w1s2"]
+
+
+# -- CPU: the rule -------------------------------------------------------------------------------
+def test_the_dispatched_config_is_w1s2_in_row_order():
+    assert qs.SHORT_DISPATCH == W1S2 == (1, 2, 16)
+    assert SHORT_VARIANT == Variant(config=W1S2, short=True, order=True)
+    assert qs.short_min_pairs(132) == 2112 == 16 * 132  # provisional (SHORT_MIN_PAIRS_PER_SM)
+
+
+@pytest.mark.parametrize(
+    "cap, head_dim, topk, pairs, sms, takes",
+    [
+        ((9, 0), 128, 256, 2112, 132, True),  # at the threshold
+        ((9, 0), 128, 256, 2111, 132, False),  # just below
+        ((9, 0), 64, 2048, 4096, 132, True),
+        ((9, 0), 128, 1, 1 << 20, 132, True),
+        ((9, 0), 128, 2049, 4096, 132, False),  # past the longest measured selection
+        ((9, 0), 128, 0, 4096, 132, False),  # nothing to attend: the single pass's zeros
+        ((9, 0), 256, 512, 4096, 132, False),  # w1s2 cannot hold D = 256
+        ((9, 0), 128, 512, 1824, 114, True),  # a multiple of the SM count (H100 PCIe)
+        ((9, 0), 128, 512, 1823, 114, False),
+        ((10, 0), 128, 512, 1 << 20, 148, False),  # Blackwell keeps the single pass
+        ((10, 3), 128, 512, 1 << 20, 148, False),
+        ((10, 7), 128, 512, 1 << 20, 148, False),
+        ((8, 9), 128, 512, 1 << 20, 128, False),
+    ],
+)
+def test_takes_short(cap, head_dim, topk, pairs, sms, takes):
+    assert qs.takes_short(cap, head_dim, topk, pairs, sms) is takes
+
+
+def test_option_none_false_true():
+    cap, sms = H200
+    assert qs.short_choice(None, cap, 128, 512, 4096, sms, True)
+    assert not qs.short_choice(None, cap, 128, 512, 4096, sms, False)  # a split: kept
+    assert not qs.short_choice(False, cap, 128, 512, 4096, sms, True)
+    for where in [((10, 0), 1, False), ((8, 9), 4096, True), (cap, 4096, True)]:
+        assert qs.short_choice(True, where[0], 64, 4096, where[1], sms, where[2])
+    assert not qs.short_choice(True, cap, 128, 0, 4096, sms, True)  # no selection
+    with pytest.raises(ValueError, match=r"QsaOptions\(short=True\).*head_dim 256"):
+        qs.short_choice(True, cap, 256, 512, 4096, sms, True)
+    assert not qs.short_choice(False, cap, 256, 512, 4096, sms, True)
+    for bad in [1, 0, "yes", 1.0]:
+        with pytest.raises(TypeError, match="short must be None, True or False"):
+            QsaOptions(short=bad)
+    assert QsaOptions().short is None and QsaOptions(short=False).short is False
+
+
+# -- CPU: what the entry points plan -------------------------------------------------------------
+def _planned(monkeypatch, cap: tuple[int, int] = (9, 0)) -> list:
+    """The (family, params) of every kernel a call gets, on an H200 of capability ``cap``."""
+    monkeypatch.setattr(qsa_plan, "capability", lambda device: cap)
+    monkeypatch.setattr(qsa_plan, "prepare", lambda wanted, device: None)
+    seen = []
+    monkeypatch.setattr(
+        qk.KernelFamily, "get", lambda f, p, device: seen.append((f.family, p)) or FakeKernel([])
+    )
+    return seen
+
+
+def _call(options: QsaOptions, dispatch: bool, **shape) -> None:
+    qsa.OP.runner(options).call(**qsa_args(**shape), dispatch=dispatch)
+
+
+# rows x Hkv at the H200's threshold (2112) and one below; (hq, hkv, d, page, topk, combined)
+PLANNED = [
+    (264, 16, 8, 128, 64, 300, True, (2, 128, *W1S2, True, True, True)),  # G 2: TMMA, bulk
+    (263, 16, 8, 128, 64, 300, True, None),
+    (528, 64, 4, 64, 16, 77, False, (16, 64, *W1S2, False, False, True)),  # cp.async
+    (527, 64, 4, 64, 16, 77, False, None),
+    (2112, 8, 1, 128, 16, 2048, False, (8, 128, *W1S2, False, True, True)),
+    (2112, 8, 1, 128, 16, 2049, False, None),  # past SHORT_MAX_TOPK
+    (2112, 8, 1, 256, 16, 300, False, None),
+]
+
+
+@pytest.mark.usefixtures("qsa_stub")
+@pytest.mark.parametrize("dispatch", [True, False])
+@pytest.mark.parametrize("rows, hq, hkv, d, page, topk, combined, short", PLANNED)
+def test_entry_points_plan_the_rule(monkeypatch, dispatch, rows, hq, hkv, d, page, topk,
+                                    combined, short):  # fmt: skip
+    seen = _planned(monkeypatch)
+    shape = dict(rows=rows, hq=hq, hkv=hkv, d=d, page=page, topk=topk, combined=combined)
+    _call(QsaOptions(), dispatch, **shape)
+    families = dict(seen)
+    if short is None:
+        assert "qsa_decode_short" not in families and "qsa_decode_form" in families
+    else:
+        assert families["qsa_decode_short"] == short
+        assert families["qsa_slots"][1] is True  # the slot pass writes the row order
+    seen.clear()
+    _call(QsaOptions(short=False), dispatch, **shape)
+    assert "qsa_decode_short" not in dict(seen)
+
+
+@pytest.mark.usefixtures("qsa_stub")
+@pytest.mark.parametrize("cap", [(10, 0), (10, 3), (10, 7)])
+def test_blackwell_keeps_its_kernels_unless_forced(monkeypatch, cap):
+    seen = _planned(monkeypatch, cap)
+    shape = dict(rows=4096, hq=16, hkv=1, d=128, page=64, topk=256, combined=True)
+    _call(QsaOptions(), True, **shape)
+    assert "qsa_decode_short" not in dict(seen)
+    seen.clear()
+    _call(QsaOptions(short=True), True, **shape)
+    assert dict(seen)["qsa_decode_short"] == (16, 128, *W1S2, True, False, True)
+
+
+@pytest.mark.usefixtures("qsa_stub")
+def test_forced_short_replaces_the_split_and_refuses_head_dim_256(monkeypatch):
+    seen = _planned(monkeypatch)
+    _call(QsaOptions(short=True), True, rows=2, hq=8, hkv=2, d=64, page=16, topk=40)
+    families = dict(seen)
+    assert families["qsa_decode_short"] == (4, 64, *W1S2, False, True, True)
+    assert "qsa_decode_cluster" not in families
+    with pytest.raises(ValueError, match=r"short=True.*head_dim 256"):
+        _call(QsaOptions(short=True), True, rows=2, hq=8, hkv=2, d=256, page=16, topk=40)
+
+
+# -- CPU: warm-up and prebuild -------------------------------------------------------------------
+@pytest.mark.usefixtures("qsa_stub")
+@pytest.mark.parametrize("hq, hkv, d, topk, combined", [(16, 8, 128, 300, True),
+                                                       (64, 4, 64, 77, False)])  # fmt: skip
+def test_warmup_and_prebuild_hold_the_dispatched_kernel(monkeypatch, hq, hkv, d, topk, combined):
+    """What a call at the threshold launches is in warm-up's list and prebuild's."""
+    seen = _planned(monkeypatch)
+    rows = -(-qs.short_min_pairs(132) // hkv)
+    shape = dict(hq=hq, hkv=hkv, d=d, page=64, topk=topk, combined=combined)
+    _call(QsaOptions(), True, rows=rows, **shape)
+    assert "qsa_decode_short" in dict(seen)
+    shipped = qsa.OP.default.options
+    entries, forms = shipped.slot_entries, (shipped.tmma, shipped.lean)
+    reach = qs.short_reached(shipped.short, (9, 0), d, topk)
+    plans = qsa_warmup.dispatch_plans(hq // hkv, d, 64, hkv, topk, combined, 132, entries,
+                                      qk.H200_WAVE_CLUSTERS.get, *forms,
+                                      qk.DECODE_MIN_PROGRAMS_SM90, reach)  # fmt: skip
+    assert set(seen) <= {(f.family, p) for f, p in plans}
+    specs = qsa_warmup.all_specs(hq // hkv, d, 64, entries, *forms, True)
+    assert {f.spec(p).label for f, p in plans} <= {s.label for s in specs}
+    assert not qs.short_reached(None, (10, 0), d, topk)
+    assert not qs.short_reached(False, (9, 0), d, topk)
+    assert not qs.short_reached(None, (9, 0), d, 0)
+
+
+def test_prebuild_adds_the_short_kernels_on_sm_90a_only():
+    workloads = qsa.OP.load_workloads()
+    specs = qsa.OP.prebuild_specs(workloads, qsa.OP.default.options)
+    short = [s for s in specs if s.family == "qsa_decode_short"]
+    # D 128: groups 1, 2, 4, 8, 16 x bulk copies or not; D 64: groups 8, 16 (cp.async)
+    assert len(short) == 12
+    assert {(s.param_dict["num_warps"], s.param_dict["num_stages"]) for s in short} == {(1, 2)}
+    assert all(s.param_dict["order"] for s in short)
+    archs = ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
+    for spec in short:
+        assert [a for a in archs if qsa.OP.prebuilt_on(spec, a)] == ["sm_90a"]
+    others = [s for s in specs if s.family != "qsa_decode_short"]
+    assert all(qsa.OP.prebuilt_on(s, "sm_100a") for s in others)
+    never = qsa.OP.prebuild_specs(workloads, QsaOptions(short=False))
+    assert sorted(map(str, never)) == sorted(map(str, others))
+
+
+def test_dispatched_kernels_compile_without_spills(tmp_path):
+    """Prebuild's short kernels and those the GPU tests below reach, for sm_90a."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    specs = qsa.OP.prebuild_specs(qsa.OP.load_workloads(), qsa.OP.default.options)
+    wanted = {s for s in specs if s.family == "qsa_decode_short"}
+    for hq, hkv, d, _, _, combined in GPU_SHAPES:
+        family, params = qs.short_plan(hq // hkv, d, combined, W1S2, True, True)
+        wanted.add(family.spec(params))
+    for spec in sorted(wanted, key=str):
+        assert_compiles_without_spills(spec, "sm_90a", tmp_path)
+
+
+# -- GPU -----------------------------------------------------------------------------------------
+@pytest.fixture
+def planned(monkeypatch, fresh_replays):
+    """The variant of every call the op plans (replays emptied, so each call plans)."""
+    monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a fallback to torch is an error
+    monkeypatch.delenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", raising=False)
+    seen, real = [], qsa_op.decode_launch
+    monkeypatch.setattr(qsa_op, "decode_launch", lambda a, o, v: seen.append(v) or real(a, o, v))
+    return seen
+
+
+def _gpu_case(rows: int, shape: tuple, seed: int) -> dict:
+    """Fresh random inputs with every hazard, scattered -1 entries and a poisoned output."""
+    hq, hkv, d, page, topk, combined = shape
+    width = -(-topk // page) + 3
+    case = make_case(rows=rows, hq=hq, hkv=hkv, d=d, page=page, topk=topk, width=width,
+                     num_blocks=3 * width + 8, device="cuda", seed=seed, combined=combined)  # fmt: skip
+    case = add_hazards(case)
+    idx = case["logical_indices"]
+    holes = torch.rand(idx[:, :-1].shape, generator=torch.Generator().manual_seed(seed)) < 0.1
+    idx[:, :-1][holes.cuda()] = -1  # -1 inside the valid counts too, not only leading
+    case["out"].fill_(math.nan)
+    return case
+
+
+# (hq, hkv, d, page, topk, combined cache): G 2 (TMMA) with bulk copies, G 16 at D 64, G 4
+# over a plain cache; selections not a multiple of the chunk (77, 1999, 40), pages 16 and 64
+GPU_SHAPES = [(16, 8, 128, 64, 300, True), (64, 4, 64, 16, 77, False),
+              (32, 8, 128, 16, 1999, False), (16, 8, 64, 64, 40, False)]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("side", [0, -1])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_dispatched_short_path(planned, side, shape):
+    """rows x Hkv at the device's threshold (the short pass) and just below it (the single
+    pass), through qsa_sparse_paged_attention."""
+    from jit_kernels import capability, sm_count
+
+    if capability(0) != (9, 0):
+        pytest.skip("the dispatcher takes the short single pass on sm_90 only")
+    rows = -(-qs.short_min_pairs(sm_count(0)) // shape[1]) + side
+    case = _gpu_case(rows, shape, seed=rows + shape[4])
+    got = qsa.qsa_sparse_paged_attention(*args_of(case))
+    torch.cuda.synchronize()
+    assert planned[-1] == (SHORT_VARIANT if side == 0 else Variant())
+    assert_close(got, ref_of(case))
+    assert (got[1] == 0).all() and (got[3] == 0).all()  # count 0, no request
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_forced_short_path(planned, shape):
+    """QsaOptions(short=True) on any arch, at a row count the dispatcher would split."""
+    case = _gpu_case(9, shape, seed=shape[4] + 1)
+    qsa.OP.runner(QsaOptions(short=True)).call(*args_of(case), dispatch=True)
+    torch.cuda.synchronize()
+    assert planned[-1] == SHORT_VARIANT
+    assert_close(case["out"], ref_of(case))
