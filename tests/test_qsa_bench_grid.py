@@ -43,14 +43,15 @@ def test_grid_covers_the_issue_ranges():
 def test_variants_and_dispatcher_pick():
     below, above = grid.Point(128, 128, 8, 2048), grid.Point(4096, 128, 8, 4096)
     assert set(grid.variants_of(below, SMS, CLUSTERS)) == {"k1", "k2", "k4", "split", "short"}
-    assert set(grid.variants_of(above, SMS, CLUSTERS)) == {"k1", "short"}  # topk 4096: timed
+    assert set(grid.variants_of(above, SMS, CLUSTERS)) == {"k1", "short"}
     # the issue's first shape: the table's 2-CTA split, the same launch as k2
     assert grid.timed_labels(below, SMS, CLUSTERS)["split"] == "k2"
     assert (
         grid.pick_label(below, grid.dispatch_variant(below, SMS, CLUSTERS), SMS, CLUSTERS) == "k2"
     )
     assert (
-        grid.pick_label(above, grid.dispatch_variant(above, SMS, CLUSTERS), SMS, CLUSTERS) == "k1"
+        grid.pick_label(above, grid.dispatch_variant(above, SMS, CLUSTERS), SMS, CLUSTERS)
+        == "short"  # 32768 pairs, topk 4096: past the short pass's threshold
     )
     tiny = grid.Point(1, 64, 4, 2048)  # the one-wave split: its own launch
     assert grid.dispatch_variant(tiny, SMS, CLUSTERS).pair
@@ -67,7 +68,8 @@ def test_short_column_and_its_threshold_points():
         timed = point.pairs >= 512 and point.head_dim in (64, 128)
         assert ("short" in variants) is timed, point
         pick = grid.pick_label(point, grid.dispatch_variant(point, SMS, CLUSTERS), SMS, CLUSTERS)
-        rule = point.pairs >= 2112 and point.topk <= 2048 and point.head_dim in (64, 128)
+        least = {256: 1518, 512: 2046}.get(point.topk, 4092)  # 132 SMs, by selection
+        rule = point.pairs >= least and point.topk <= 4096 and point.head_dim in (64, 128)
         assert (pick == "short") is rule, point
     pairs = {p.pairs for p in grid.grid() if "short" in grid.variants_of(p, SMS, CLUSTERS)}
     assert {512, 1024, 1536, 2048, 2112, 3072, 4096} <= pairs

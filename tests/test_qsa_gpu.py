@@ -369,7 +369,7 @@ def test_gpu_warmup_then_no_compile(jit_cache, strict):
         assert [
             qsa_plan.dispatch_split(r, 2, 512, 128, torch.uint8, 0).num_splits for r in (2, 80)
         ] == [4, 2]
-        for rows in (2, 80, -(-short_min_pairs(qsa_plan.sm_count(0)) // 2)):
+        for rows in (2, 80, -(-short_min_pairs(qsa_plan.sm_count(0), 512) // 2)):
             case = make_case(
                 rows=rows,
                 hq=16,

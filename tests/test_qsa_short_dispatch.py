@@ -35,21 +35,34 @@ W1S2 = qs.SHORT_CONFIGS["w1s2"]
 def test_the_dispatched_config_is_w1s2_in_row_order():
     assert qs.SHORT_DISPATCH == W1S2 == (1, 2, 16)
     assert SHORT_VARIANT == Variant(config=W1S2, short=True, order=True)
-    assert qs.short_min_pairs(132) == 2112 == 16 * 132  # provisional (SHORT_MIN_PAIRS_PER_SM)
+    # the H200's thresholds (SHORT_MIN_PAIRS_PER_SM): 11.5, 15.5 and 31 pairs an SM
+    assert [qs.short_min_pairs(132, k) for k in (1, 256, 257, 512, 513, 2048, 4096)] == [
+        1518,
+        1518,
+        2046,
+        2046,
+        4092,
+        4092,
+        4092,
+    ]
 
 
 @pytest.mark.parametrize(
     "cap, head_dim, topk, pairs, sms, takes",
     [
-        ((9, 0), 128, 256, 2112, 132, True),  # at the threshold
-        ((9, 0), 128, 256, 2111, 132, False),  # just below
-        ((9, 0), 64, 2048, 4096, 132, True),
+        ((9, 0), 128, 256, 1518, 132, True),  # at the threshold
+        ((9, 0), 128, 256, 1517, 132, False),  # just below
+        ((9, 0), 128, 512, 2046, 132, True),
+        ((9, 0), 128, 512, 2045, 132, False),
+        ((9, 0), 64, 2048, 4092, 132, True),
+        ((9, 0), 64, 2048, 4091, 132, False),
+        ((9, 0), 128, 4096, 4092, 132, True),
         ((9, 0), 128, 1, 1 << 20, 132, True),
-        ((9, 0), 128, 2049, 4096, 132, False),  # past the longest measured selection
+        ((9, 0), 128, 4097, 1 << 20, 132, False),  # past the longest measured selection
         ((9, 0), 128, 0, 4096, 132, False),  # nothing to attend: the single pass's zeros
         ((9, 0), 256, 512, 4096, 132, False),  # w1s2 cannot hold D = 256
-        ((9, 0), 128, 512, 1824, 114, True),  # a multiple of the SM count (H100 PCIe)
-        ((9, 0), 128, 512, 1823, 114, False),
+        ((9, 0), 128, 512, 1767, 114, True),  # per SM (H100 PCIe: 15.5 x 114 = 1767)
+        ((9, 0), 128, 512, 1766, 114, False),
         ((10, 0), 128, 512, 1 << 20, 148, False),  # Blackwell keeps the single pass
         ((10, 3), 128, 512, 1 << 20, 148, False),
         ((10, 7), 128, 512, 1 << 20, 148, False),
@@ -93,15 +106,17 @@ def _call(options: QsaOptions, dispatch: bool, **shape) -> None:
     qsa.OP.runner(options).call(**qsa_args(**shape), dispatch=dispatch)
 
 
-# rows x Hkv at the H200's threshold (2112) and one below; (hq, hkv, d, page, topk, combined)
+# rows x Hkv at the H200's threshold for the selection and one row below; (hq, hkv, d, page,
+# topk, combined)
 PLANNED = [
-    (264, 16, 8, 128, 64, 300, True, (2, 128, *W1S2, True, True, True)),  # G 2: TMMA, bulk
-    (263, 16, 8, 128, 64, 300, True, None),
-    (528, 64, 4, 64, 16, 77, False, (16, 64, *W1S2, False, False, True)),  # cp.async
-    (527, 64, 4, 64, 16, 77, False, None),
-    (2112, 8, 1, 128, 16, 2048, False, (8, 128, *W1S2, False, True, True)),
-    (2112, 8, 1, 128, 16, 2049, False, None),  # past SHORT_MAX_TOPK
-    (2112, 8, 1, 256, 16, 300, False, None),
+    (256, 16, 8, 128, 64, 300, True, (2, 128, *W1S2, True, True, True)),  # G 2: TMMA, bulk
+    (255, 16, 8, 128, 64, 300, True, None),
+    (380, 64, 4, 64, 16, 77, False, (16, 64, *W1S2, False, False, True)),  # cp.async
+    (379, 64, 4, 64, 16, 77, False, None),
+    (4092, 8, 1, 128, 16, 2048, False, (8, 128, *W1S2, False, True, True)),
+    (4091, 8, 1, 128, 16, 2048, False, None),
+    (4092, 8, 1, 128, 16, 4097, False, None),  # past SHORT_MAX_TOPK
+    (4092, 8, 1, 256, 16, 300, False, None),
 ]
 
 
@@ -154,7 +169,7 @@ def test_forced_short_replaces_the_split_and_refuses_head_dim_256(monkeypatch):
 def test_warmup_and_prebuild_hold_the_dispatched_kernel(monkeypatch, hq, hkv, d, topk, combined):
     """What a call at the threshold launches is in warm-up's list and prebuild's."""
     seen = _planned(monkeypatch)
-    rows = -(-qs.short_min_pairs(132) // hkv)
+    rows = -(-qs.short_min_pairs(132, topk) // hkv)
     shape = dict(hq=hq, hkv=hkv, d=d, page=64, topk=topk, combined=combined)
     _call(QsaOptions(), True, rows=rows, **shape)
     assert "qsa_decode_short" in dict(seen)
@@ -242,7 +257,7 @@ def test_gpu_dispatched_short_path(planned, side, shape):
 
     if capability(0) != (9, 0):
         pytest.skip("the dispatcher takes the short single pass on sm_90 only")
-    rows = -(-qs.short_min_pairs(sm_count(0)) // shape[1]) + side
+    rows = -(-qs.short_min_pairs(sm_count(0), shape[4]) // shape[1]) + side
     case = _gpu_case(rows, shape, seed=rows + shape[4])
     got = qsa.qsa_sparse_paged_attention(*args_of(case))
     torch.cuda.synchronize()

@@ -336,8 +336,8 @@ def banner() -> dict:
     )
     print(f"sm_90: the single pass from rows*Hkv >= {qk.DECODE_MIN_PROGRAMS_SM90}; in its place "
           f"the short single pass {qs.SHORT_DISPATCH} (rows in order) from "
-          f"{qs.SHORT_MIN_PAIRS_PER_SM} pairs per SM at head_dim {qs.SHORT_HEAD_DIMS}, topk <= "
-          f"{qs.SHORT_MAX_TOPK} (short.takes_short)", flush=True)  # fmt: skip
+          f"(topk up to, pairs per SM) {qs.SHORT_MIN_PAIRS_PER_SM} at head_dim "
+          f"{qs.SHORT_HEAD_DIMS} (short.takes_short)", flush=True)  # fmt: skip
     return info
 
 

@@ -84,8 +84,8 @@ SHORT_HEADS, SHORT_ROWS, SHORT_TOPKS = ((32, 8), (8, 1)), (1, 16, 64, 512, 4096)
 SIDE_ROWS = (4, 128, 1024)
 # BENCHMARKS.md's QSA rows not on the grid, so one run refreshes that table too.
 EXTRA = (Point(2048, 32, 4, 1024), Point(256, 32, 8, 4096))
-# Around the short single pass's provisional threshold (2112 pairs on 132 SMs), between the
-# grid's 2048 and 4096 pairs, at round 10's short and long selections.
+# Around the short single pass's thresholds (1518 / 2046 / 4092 pairs on 132 SMs by topk),
+# between the grid's 1024, 2048 and 4096 pairs, at round 10's short and long selections.
 SHORT_EDGE_PAIRS = (1536, 2112, 3072)
 SHORT_EDGE_HEADS = ((16, 1, 256), (64, 4, 512), (128, 8, 2048))  # (Hq, Hkv, topk)
 
@@ -124,7 +124,7 @@ def variants_of(point: Point, sms: int, clusters: qk.Clusters) -> dict[str, Vari
     if point.pairs <= K4_MAX_PAIRS:
         out["k4"] = Variant(4)
     if point.pairs < GATE:
-        out["split"] = dispatch_variant(point, sms, clusters)
+        out["split"] = split_variant(point, sms, clusters)
     if point.pairs >= SHORT_MIN_TIMED and point.head_dim in qs.SHORT_HEAD_DIMS and point.topk:
         out["short"] = SHORT_VARIANT
     return out
@@ -135,8 +135,11 @@ def dispatch_variant(point: Point, sms: int, clusters: qk.Clusters) -> Variant:
     rule; the split gate GATE)."""
     if qs.takes_short(H200_CAP, point.head_dim, point.topk, point.pairs, sms):
         return SHORT_VARIANT
-    if point.pairs >= GATE:
-        return Variant()
+    return Variant() if point.pairs >= GATE else split_variant(point, sms, clusters)
+
+
+def split_variant(point: Point, sms: int, clusters: qk.Clusters) -> Variant:
+    """What kernels.launch_split launches for ``point`` (the "split" column)."""
     args = (point.rows, point.hkv, point.topk, point.head_dim, sms, clusters)
     splits, config, pair = qk.launch_split(*args)
     return Variant(splits, None, config, None, pair)

@@ -182,8 +182,8 @@ def report(rows: list[dict]) -> None:
     print("\n== gate data: best split µs / single pass (k1) µs by rows x Hkv (< 1: a split wins)")
     print("\n".join(grid.gate_lines(done)))
     print("\n== short gate data: short single pass µs / single pass (k1) µs by rows x Hkv "
-          f"(< 1: short wins; provisional rule: from {qs.short_min_pairs(sm_count(0))} pairs "
-          f"on this device's {sm_count(0)} SMs)")  # fmt: skip
+          f"(< 1: short wins; the rule: from (topk up to, pairs per SM) "
+          f"{qs.SHORT_MIN_PAIRS_PER_SM} on this device's {sm_count(0)} SMs)")  # fmt: skip
     print("\n".join(grid.gate_lines(done, ("short",))))
     print("\n== QSA dispatch sweep: graph µs per call, whole call; floor = selected K/V + q, "
           "gate, out, indices over 4.24 TB/s; bar: disp <= 1.03 x best of ours, >= 85% of "

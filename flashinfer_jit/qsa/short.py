@@ -1,6 +1,6 @@
 """The short single pass: short selections over many rows (issue 22). On sm_90 the dispatcher
 takes it (``takes_short``: SHORT_DISPATCH with the slot pass's row order) in place of the
-single pass from SHORT_MIN_PAIRS_PER_SM (row, kv head) pairs per SM on;
+single pass from SHORT_MIN_PAIRS_PER_SM (row, kv head) pairs per SM on (by topk);
 ``QsaOptions.short`` forces it off or on. ``run_kernels(args, short=True, config=...,
 order=...)`` launches any config, ``tools/bench_qsa.py --short`` times them beside the
 shipped single pass and the seed's Triton kernel, and the dispatch sweep's "short" column
@@ -23,6 +23,8 @@ drops a dependent L2 load from every CTA's chain and the slot pass's sorting CTA
 """
 
 from __future__ import annotations
+
+import math
 
 from jit_kernels import KernelSpec, arch_capability
 
@@ -66,21 +68,26 @@ SHORT_DEFAULT = SHORT_CONFIGS["w1s4"]
 # What the dispatcher takes: w1s2 in the slot pass's row order, the fastest of our kernels
 # at all 8 points of round 10 (H200, docs/perf-log/qsa.md: 1.02-1.21x the single pass k1;
 # D 128, topk 256-2048, 4096 pairs). Head dims 64 and 128 (w1s2's launch bound of 16 CTAs
-# leaves 128 registers, too few for D = 256's accumulators), selections up to the longest
-# measured; sm_90 only (what the H200 measured; sm_100/103/107 keep the single pass).
+# leaves 128 registers, too few for D = 256's accumulators); sm_90 only (what the H200
+# measured; sm_100/103/107 keep the single pass).
 SHORT_DISPATCH = SHORT_CONFIGS["w1s2"]
 SHORT_HEAD_DIMS = (64, 128)
-SHORT_MAX_TOPK = 2048
 SHORT_CAPS = ((9, 0),)
-# Provisional, pending the H200 sweep's "short" column (tools/bench_qsa.py --dispatch-sweep:
-# rows x Hkv 512-4096): the short pass from one full wave of w1s2 (16 CTAs an SM), 2112
-# (row, kv head) pairs on the H200's 132 SMs; round 10 measured only 4096 pairs (31 an SM).
-SHORT_MIN_PAIRS_PER_SM = 16
+# (topk up to, rows x Hkv per SM from which the short pass is the faster): the H200's
+# dispatch sweep of QSA round 11 (72 points, rows x Hkv 512-4096, docs/perf-log/qsa.md),
+# short / k1 by selection: topk 256 1.25-1.38 at 1024 pairs (7.8 an SM), 0.96 at 1536
+# (11.6), 0.83-0.88 from 2048; topk 512 1.14 at 1536, 0.97-0.98 at 2048 (15.5), 0.98-1.02
+# at 2112-3072, 0.83-0.92 at 4096; topk 2048 1.12-1.16 at 2048-3072, 0.93-1.01 at 4096
+# (31), topk 4096 0.97-0.98 at 4096. Topk 1024 takes 2048's threshold (not measured).
+SHORT_MIN_PAIRS_PER_SM = ((256, 11.5), (512, 15.5), (4096, 31.0))
+SHORT_MAX_TOPK = SHORT_MIN_PAIRS_PER_SM[-1][0]
 
 
-def short_min_pairs(sms: int) -> int:
-    """rows x Hkv from which the rule takes the short single pass on ``sms`` SMs."""
-    return SHORT_MIN_PAIRS_PER_SM * sms
+def short_min_pairs(sms: int, topk: int) -> int:
+    """rows x Hkv from which the rule takes the short single pass on ``sms`` SMs for a
+    selection of ``topk`` (0 < topk <= SHORT_MAX_TOPK)."""
+    per_sm = next(p for upto, p in SHORT_MIN_PAIRS_PER_SM if topk <= upto)
+    return math.ceil(per_sm * sms)
 
 
 def takes_short(cap: tuple[int, int], head_dim: int, topk: int, pairs: int, sms: int) -> bool:
@@ -91,7 +98,7 @@ def takes_short(cap: tuple[int, int], head_dim: int, topk: int, pairs: int, sms:
         cap in SHORT_CAPS
         and head_dim in SHORT_HEAD_DIMS
         and 0 < topk <= SHORT_MAX_TOPK
-        and pairs >= short_min_pairs(sms)
+        and pairs >= short_min_pairs(sms, topk)
     )
 
 
