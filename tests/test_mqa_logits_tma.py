@@ -13,6 +13,7 @@ from flashinfer_jit.mqa_logits import plan as mq_plan
 from flashinfer_jit.mqa_logits.checks import SMEM_LIMIT, STATIC_SMEM, reg_cap
 from flashinfer_jit.mqa_logits.ring import ring_family
 from flashinfer_jit.mqa_logits.tma import (
+    EVICT_MIN_BATCH,
     LEAN_REGS,
     NARROW_CONFIG,
     RING_STAGES,
@@ -20,6 +21,7 @@ from flashinfer_jit.mqa_logits.tma import (
     TMA_DIMS,
     WIDE_REGS_CONFIGS,
     TmaConfig,
+    kv_evict_first,
     small_work,
     stage_unit,
     tma_config,
@@ -86,7 +88,8 @@ def plan_of(batch: int, geometry: tuple, max_seq_len: int, options=None):
     """The kernel plan of a float32 call of ``batch`` requests (the H200's 132 SMs)."""
     small = small_work(batch, max_seq_len, 132)
     options = MqaLogitsOptions() if options is None else options
-    return mq_plan.kernel_plan(geometry, (torch.float32,) * 3, 0, small, options)
+    evict = kv_evict_first(small, batch, geometry[0])
+    return mq_plan.kernel_plan(geometry, (torch.float32,) * 3, 0, small, options, evict)
 
 
 @pytest.mark.parametrize(
@@ -190,6 +193,20 @@ def test_options_set_the_kv_policy(picked, monkeypatch, max_seq_len, evict):
     plan = plan_of(32, (1, 64, 128, 64), max_seq_len, MqaLogitsOptions(kv_evict_first=evict))
     assert plan.extra == (int(evict),) and got[-1][1] == config
     assert default.extra == (int(max_seq_len == 8192),)
+
+
+@pytest.mark.parametrize(
+    "batch,next_n,max_seq_len,evict",
+    [(32, 1, 8192, True), (256, 1, 8192, True), (1024, 1, 2048, True), (255, 1, 8192, False),
+     (256, 2, 8192, False), (64, 1, 65536, False), (32, 2, 8192, True)],
+)  # fmt: skip
+def test_dispatcher_kv_policy(picked, monkeypatch, batch, next_n, max_seq_len, evict):
+    """Evict-first KV for small calls and for next_n=1 calls of EVICT_MIN_BATCH requests or
+    more (MQA round 18); the policy is part of the plan's key."""
+    monkeypatch.setattr(mq_plan, "capability", lambda device: (9, 0))
+    plan = plan_of(batch, (next_n, 64, 128, 64), max_seq_len)
+    assert plan.extra == (int(evict),)
+    assert EVICT_MIN_BATCH == 256
 
 
 def test_dispatch_falls_back_to_the_ring_when_the_tma_kernel_is_missing(picked, monkeypatch):

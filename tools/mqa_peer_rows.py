@@ -10,7 +10,7 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashinfer_jit.mqa_logits import MqaLogitsOptions  # noqa: E402
-from flashinfer_jit.mqa_logits.tma import TMA_DIMS, TmaConfig  # noqa: E402
+from flashinfer_jit.mqa_logits.tma import TMA_DIMS, TmaConfig, kv_evict_first  # noqa: E402
 
 
 class Row(NamedTuple):
@@ -58,17 +58,17 @@ ROWS = [
 # it takes the lean one.
 T = TmaConfig
 EVICT = ("evict", MqaLogitsOptions(kv_evict_first=True))  # the dispatcher's config, KV evict-first
+NO_EVICT = ("no-evict", MqaLogitsOptions(kv_evict_first=False))
 SWEEPS: dict[str, list] = {
-    # The KV stream's L2 policy against the dispatcher's (evict-first for small calls only):
-    # the skewed B=32 row is not small for the host (max_seq_len bounds it) though it has
-    # 21 tiles an SM. (The ring depths, warpgroups and Q buffers of the other rows: rounds
-    # 10-16 of docs/perf-log/mqa_logits.md.)
+    # The KV stream's L2 policy against the dispatcher's (tma.kv_evict_first: evict-first for
+    # small calls and next_n=1 calls of 256 requests or more, from session 18's sweep): every
+    # row but the skewed B=32 one times the other policy. (The ring depths, warpgroups and Q
+    # buffers: rounds 10-16 of docs/perf-log/mqa_logits.md.)
     "skew32": [T(3, 9, 3, 2, 1), ("small", MqaLogitsOptions(config=T(2, 6, 2, 2))), EVICT,
                ("small-evict", MqaLogitsOptions(config=T(2, 6, 2, 2), kv_evict_first=True))],
-    "skew128n2": [EVICT],
-    "b32": [("no-evict", MqaLogitsOptions(kv_evict_first=False))],
-    "b256": [EVICT],
-    "b64L64k": [EVICT],
+    "b32": [NO_EVICT],
+    **{row.name: [NO_EVICT if kv_evict_first(0, row.batch, row.next_n) else EVICT]
+       for row in ROWS if row.batch >= 64},
 }  # fmt: skip
 
 

@@ -34,6 +34,7 @@ from .schedule import SCHEDULE_THREADS, schedule_family
 from .tma import (
     TMA_DIMS,
     TmaConfig,
+    kv_evict_first,
     kv_tensor_map,
     small_work,
     tma_config,
@@ -63,8 +64,8 @@ class MqaLogitsOptions(Options):
     the previous kernel's tail; it waits for that kernel's results before reading anything).
     ``tma_family``: another build of the TMA kernel with its parameters (an instrumented one
     or a timing probe, tools/). ``l2_promotion``: the KV tensor map's L2 fill size in bytes
-    (tma.kv_tensor_map). ``kv_evict_first``: the KV stream's L2 policy (None: evict-first
-    for small calls only, as the dispatcher decides)."""
+    (tma.kv_tensor_map). ``kv_evict_first``: the KV stream's L2 policy (None: as the
+    dispatcher decides, tma.kv_evict_first)."""
 
     config: RingConfig | TmaConfig | None = None
     force_generic: bool = False
@@ -157,14 +158,17 @@ def _specialized_plan(
 _plans: PlanCache[KernelPlan] = PlanCache(replay=False)
 
 
-def kernel_plan(geometry, dtypes, device: int, small: int, options: MqaLogitsOptions) -> KernelPlan:
+def kernel_plan(
+    geometry, dtypes, device: int, small: int, options: MqaLogitsOptions, evict_first: bool = False
+) -> KernelPlan:
     """The kernel that serves ``geometry`` (next_n, num_heads, head_dim, block_size) and
     ``dtypes`` (output, epilogue, accumulator) for a call of small-work class ``small``
-    (``tma.small_work``), and its launch."""
-    key = (geometry, dtypes, device, small, options)
+    (``tma.small_work``), and its launch; ``evict_first``: the dispatcher's KV policy for
+    the call (tma.kv_evict_first), unless ``options`` names one."""
+    key = (geometry, dtypes, device, small, options, evict_first)
     plan = _plans.get(key)
     if plan is None:
-        evict = int(small > 0 if options.kv_evict_first is None else options.kv_evict_first)
+        evict = int(evict_first if options.kv_evict_first is None else options.kv_evict_first)
         why = "forced"
         if not options.force_generic:
             try:
@@ -184,7 +188,8 @@ def launch_for(args: tuple, options: MqaLogitsOptions, lens_offset: int = 0) -> 
     device = cuda_device_index(q)
     geometry = (q.shape[1], q.shape[2], q.shape[3], kv_fused.shape[1])
     small = small_work(q.shape[0], max_seq_len, sm_count(device))
-    plan = kernel_plan(geometry, args[6:9], device, small, options)
+    evict_first = kv_evict_first(small, q.shape[0], q.shape[1])
+    plan = kernel_plan(geometry, args[6:9], device, small, options, evict_first)
     out = args[10]
     return Launch(plan, device, q, weights, block_tables, seq_lens, out, max_seq_len, lens_offset)
 

@@ -143,6 +143,20 @@ def small_work(batch: int, max_seq_len: int, num_sms: int) -> int:
     return sum(tiles <= per_sm * num_sms for per_sm in SMALL_WORK_TILES_PER_SM)
 
 
+# The KV stream's L2 policy (KvPolicy, templates/mqa_logits/ring.cuh) without an option:
+# evict-first where the reads it keeps in L2 (each request's Q and weights, read by every CTA
+# of the request, and the block table) are worth more than the stream's: small calls (MQA
+# round 8) and next_n=1 calls of EVICT_MIN_BATCH requests or more (round 18, H200, per call
+# in a graph: B=256 2-5 % faster in 3 of 4 runs, at H=32 4 %, head_dim 64 5 %, B=1024 2 %;
+# at next_n=2 and at B=64 L=64K level or 1-3 % slower, so those keep evict-normal).
+EVICT_MIN_BATCH = 256
+
+
+def kv_evict_first(small: int, batch: int, next_n: int) -> bool:
+    """The dispatcher's KV policy for a call of ``batch`` requests (``small``: small_work)."""
+    return small > 0 or (next_n == 1 and batch >= EVICT_MIN_BATCH)
+
+
 # Ring depth (64-token stages): 8-10 (68-85 KB of reads in flight per SM, what HBM's
 # latency under load needs) stream the pool fastest; small calls 6 (see tma_config).
 RING_STAGES = 10  # at most, in any config tma_config picks
