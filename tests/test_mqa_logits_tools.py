@@ -84,3 +84,14 @@ def test_bench_variants_patch_the_shipped_kernel(tmp_path):
         built = compile_cubin(render(family.spec(params), family.builder.template_root), "sm_90a")
         sass = _sass(built.cubin, tmp_path)[0]
         assert sass[sass.index(".headerflags") :] != base[base.index(".headerflags") :], name
+
+
+def test_probes_refuse_the_lean_loop():
+    """The probes patch the plain consumer loop: a lean config would time the unpatched
+    kernel under a probe's name (as --probes did in session 18), so it is refused."""
+    probe = _tool("mqa_logits_probe")
+    with pytest.raises(ValueError, match="plain loop"):
+        probe.probe_options(TmaConfig(4, 8, 4, 2, 1, 0, 112), 1)
+    with pytest.raises(ValueError, match="plain loop"):
+        probe.probe_options(None, 2)
+    assert probe.probe_options(TmaConfig(4, 8, 4, 2, 0, 0, 112), 3).config.lean == 0

@@ -58,7 +58,7 @@ ROWS = [  # B, next_n, H, L, DeepGEMM us, target us (eager), target us (graph re
 ]
 # Variants: None = the dispatcher's choice (on sm_90 the TMA kernel); a TmaConfig = the TMA
 # kernel forced (stages 0 = as many as fit); ("probe", n, config) = the TMA kernel's timing
-# probe n in config (None: the dispatcher's; 1 = stream the tiles only, 2 = stream + MMA,
+# probe n in config (None: the dispatcher's with the plain loop; 1 = stream the tiles only, 2 = stream + MMA,
 # 3 = stream + epilogue, no valid output: what each part costs, tools/mqa_logits_probe.py);
 # ("auto", {field: value}) = the dispatcher's TMA config with those fields replaced;
 # "no-pdl" = the dispatcher's choice launched without PDL; (warpgroups, stages, portable,
@@ -252,8 +252,9 @@ def auto_config(batch: int, next_n: int, heads: int, length: int) -> TmaConfig:
 
 def variant_options(v, shape: tuple[int, int, int, int]) -> MqaLogitsOptions:
     """The options of variant v (see VARIANTS) for a row's shape (batch, next_n, heads, length)."""
-    if isinstance(v, tuple) and v[0] == "probe":
-        return probe_options(v[2], v[1])
+    if isinstance(v, tuple) and v[0] == "probe":  # (the probes patch the plain loop)
+        config = v[2] if v[2] is not None else auto_config(*shape)._replace(lean=0, pair=0)
+        return probe_options(config, v[1])
     config = None
     if isinstance(v, tuple) and v[0] == "auto":  # the dispatcher's TMA config, modified
         config = auto_config(*shape)._replace(**v[1])

@@ -244,9 +244,15 @@ def run_row(
             sides[f"{name}-q1"] = lambda s, f=family: ours(
                 s, options=MqaLogitsOptions(config=VARIANT_CONFIGS[row.name], tma_family=f)
             )
+    # the probes patch the plain loop: they run the dispatcher's config with it ("plain",
+    # timed beside them where the dispatcher takes the lean one)
+    if probes and row.head_dim_fits_tma():
+        sides.setdefault(
+            "plain", lambda s: ours(s, dispatcher_config(row, s)._replace(lean=0, pair=0))
+        )
     for n in (1, 2, 3) if probes and row.head_dim_fits_tma() else ():
         sides[f"probe{n}"] = lambda s, n=n: ours(
-            s, options=probe_options(dispatcher_config(row, s), n)
+            s, options=probe_options(dispatcher_config(row, s)._replace(lean=0, pair=0), n)
         )
     res["served"] = ""
     eager_calls = {}

@@ -115,6 +115,13 @@ def variant(name: str, patches: tuple[tuple[str, str], ...]) -> KernelFamily:
     return KernelFamily(builder, name, f.template, f.kernel, f.param_names, f.signature)
 
 
-def probe_options(config: TmaConfig | None, n: int, pdl: bool = True) -> MqaLogitsOptions:
-    """Options running the TMA kernel's probe ``n`` in ``config`` (None: the dispatcher's)."""
+def probe_options(config: TmaConfig, n: int, pdl: bool = True) -> MqaLogitsOptions:
+    """Options running the TMA kernel's probe ``n`` in ``config``. The probes patch the plain
+    consumer loop: a lean config would time the unpatched lean loop (session 18 found
+    ``--probes`` doing that since the dispatcher took the lean loop), so it is refused; use
+    ``config._replace(lean=0, pair=0)`` and compare with the plain kernel."""
+    if config is None or config.lean:
+        raise ValueError(
+            f"probe {n}: the probes patch the plain loop; give a config with lean=0, got {config}"
+        )
     return MqaLogitsOptions(config=config, pdl=pdl, tma_family=probe(n))
