@@ -4,7 +4,8 @@
 # the steps after `--`. Usage: bash tools/device_peer.sh DG_DIR STEP... -- STEP...
 # Each step's log (tools/device_run.sh) and the built extension (to carry next time) land
 # in $OUT. DG_DIR holds DeepGEMM's source with third-party/cutlass/include and
-# third-party/fmt (FACTS.md says how it builds there).
+# third-party/fmt (tools/peer_tree.sh assembles it from git mirrors; FACTS.md says how it
+# builds there).
 set -u
 dg=$1
 shift
