@@ -208,6 +208,32 @@ def ours_dg_api(s: dict) -> Callable[[], torch.Tensor]:
     return lambda: fij_dg.fp8_fp4_paged_mqa_logits(*args, False, torch.float32)
 
 
+def candidate_sides(row: Row, variants: bool, probes: bool) -> dict:
+    """The row's template variants (--variants) and timing probes (--probes), by name: each a
+    function of an input set returning its call."""
+    sides: dict = {}
+    for name, patches in VARIANTS.items() if variants and row.name in VARIANT_ROWS else ():
+        family = variant(name, patches)
+        sides[name] = lambda s, f=family: ours(
+            s, options=MqaLogitsOptions(config=dispatcher_config(row, s), tma_family=f)
+        )
+        if row.name in VARIANT_CONFIGS:
+            sides[f"{name}-q1"] = lambda s, f=family: ours(
+                s, options=MqaLogitsOptions(config=VARIANT_CONFIGS[row.name], tma_family=f)
+            )
+    # the probes patch the plain loop: they run the dispatcher's config with it ("plain",
+    # timed beside them where the dispatcher takes the lean one)
+    if probes and row.head_dim_fits_tma():
+        sides.setdefault(
+            "plain", lambda s: ours(s, dispatcher_config(row, s)._replace(lean=0, pair=0))
+        )
+    for n in (1, 2, 3) if probes and row.head_dim_fits_tma() else ():
+        sides[f"probe{n}"] = lambda s, n=n: ours(
+            s, options=probe_options(dispatcher_config(row, s)._replace(lean=0, pair=0), n)
+        )
+    return sides
+
+
 def run_row(
     row: Row, dg, reps: int, sweep: bool, probes: bool, gen: torch.Generator, variants: bool = False
 ) -> dict:
@@ -235,25 +261,8 @@ def run_row(
         name += ("l" if config.lean else "") + ("-pair" if config.pair else "")
         name += f"r{config.regs}" if config.regs else ""
         sides[name] = lambda s, c=config: ours(s, c)
-    for name, patches in VARIANTS.items() if variants and row.name in VARIANT_ROWS else ():
-        family = variant(name, patches)
-        sides[name] = lambda s, f=family: ours(
-            s, options=MqaLogitsOptions(config=dispatcher_config(row, s), tma_family=f)
-        )
-        if row.name in VARIANT_CONFIGS:
-            sides[f"{name}-q1"] = lambda s, f=family: ours(
-                s, options=MqaLogitsOptions(config=VARIANT_CONFIGS[row.name], tma_family=f)
-            )
-    # the probes patch the plain loop: they run the dispatcher's config with it ("plain",
-    # timed beside them where the dispatcher takes the lean one)
-    if probes and row.head_dim_fits_tma():
-        sides.setdefault(
-            "plain", lambda s: ours(s, dispatcher_config(row, s)._replace(lean=0, pair=0))
-        )
-    for n in (1, 2, 3) if probes and row.head_dim_fits_tma() else ():
-        sides[f"probe{n}"] = lambda s, n=n: ours(
-            s, options=probe_options(dispatcher_config(row, s)._replace(lean=0, pair=0), n)
-        )
+    for name, make in candidate_sides(row, variants, probes).items():
+        sides.setdefault(name, make)  # (a sweep's "plain" is the probes' too)
     res["served"] = ""
     eager_calls = {}
     for name, make in sides.items():
