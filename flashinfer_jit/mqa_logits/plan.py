@@ -159,7 +159,7 @@ _plans: PlanCache[KernelPlan] = PlanCache(replay=False)
 
 
 def kernel_plan(
-    geometry, dtypes, device: int, small: int, options: MqaLogitsOptions, evict_first: bool = False
+    geometry, dtypes, device: int, small: int, options: MqaLogitsOptions, evict_first: bool
 ) -> KernelPlan:
     """The kernel that serves ``geometry`` (next_n, num_heads, head_dim, block_size) and
     ``dtypes`` (output, epilogue, accumulator) for a call of small-work class ``small``

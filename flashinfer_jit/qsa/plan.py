@@ -274,10 +274,9 @@ def dispatch_split(
     crossover on, else kernels.launch_split on this device's SMs and clusters; the short
     single pass in place of either where ``short`` (QsaOptions.short) and
     short.short_choice say."""
-    cap, pairs = capability(device), rows * num_kv_heads
-    least = decode_min_programs(cap)
-    single = _single_pass(pairs, cache_dtype, least)
-    if short_choice(short, cap, head_dim, topk, pairs, sm_count(device), single):
+    least = decode_min_programs(capability(device))
+    single = _single_pass(rows * num_kv_heads, cache_dtype, least)
+    if _takes_short(short, rows, num_kv_heads, topk, head_dim, device, single):
         return SHORT_VARIANT
     if single:
         return Variant()
@@ -291,7 +290,11 @@ def single_pass_variant(
 ) -> Variant:
     """The single-pass entry point's variant: the single pass, or the short single pass
     where ``short`` (QsaOptions.short) and short.short_choice say."""
-    cap, pairs = capability(device), rows * num_kv_heads
-    if short_choice(short, cap, head_dim, topk, pairs, sm_count(device), True):
-        return SHORT_VARIANT
-    return Variant()
+    taken = _takes_short(short, rows, num_kv_heads, topk, head_dim, device, True)
+    return SHORT_VARIANT if taken else Variant()
+
+
+def _takes_short(short, rows: int, num_kv_heads: int, topk: int, head_dim: int, device: int,
+                 single: bool) -> bool:  # fmt: skip
+    cap, sms = capability(device), sm_count(device)
+    return short_choice(short, cap, head_dim, topk, rows * num_kv_heads, sms, single)
