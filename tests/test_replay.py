@@ -288,7 +288,21 @@ def test_mqa_replay_allocates_what_the_full_path_does(mqa_stub, max_seq_len):
     for got in replays:
         assert (got.shape, got.stride(), got.dtype) == (full.shape, full.stride(), full.dtype)
         assert got.shape == (6, max_seq_len) and got.stride() == (256, 1)
+        # the storage covers the padded rows the kernel writes, as the full path's does
+        assert got.untyped_storage().nbytes() == 6 * 256 * 4 == full.untyped_storage().nbytes()
     assert len({t.data_ptr() for t in (full, *replays)}) == 3
+
+
+def test_mqa_replay_views_a_given_out_without_reshaping_it(mqa_stub):
+    """A replay returns a view of the caller's ``out`` (its [:rows, :max_seq_len]); the
+    caller's tensor keeps its shape (only a replay's own allocation is reshaped in place)."""
+    stub = mqa_stub
+    outs = [torch.empty(6, 256) for _ in range(3)]
+    got = [mq.fp8_paged_mqa_logits(**mqa_args(), out=out) for out in outs]
+    assert len(stub.full) == 1
+    for out, logits in zip(outs, got, strict=True):
+        assert out.shape == (6, 256) and out.stride() == (256, 1)
+        assert logits.shape == (6, 200) and logits._base is out
 
 
 @pytest.fixture

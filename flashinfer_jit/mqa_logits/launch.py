@@ -100,7 +100,8 @@ class Launch:
         if self.copy:  # the kernel reads dense q and weights rows
             q, weights = q.contiguous(), weights.contiguous()
             q_ptr = q.data_ptr()
-        if out is None:
+        fresh = out is None
+        if fresh:
             out = self.alloc()
         args = (
             q_ptr, kv_ptr, weights.data_ptr(), block_tables.data_ptr(),
@@ -115,5 +116,10 @@ class Launch:
                 memo = self.kv_memo = (kv_ptr, self.kv_args(kv_ptr, kv_fused))
             args += memo[1]
         self.go(current_stream(self.device), args)
-        # as_strided is the [:rows, :max_seq_len] view, ~0.4-0.9 us cheaper (timeit, CPU)
-        return out if self.view is None else out.as_strided(*self.view)
+        if self.view is None:
+            return out
+        # The [:rows, :max_seq_len] logits. An allocation of this call that nobody else holds
+        # is reshaped in place (as_strided_: the same sizes, strides and padded storage, no
+        # second tensor nor view bookkeeping, ~0.4 us less, CPU); a caller's `out` is viewed
+        # (as_strided: ~0.4-0.9 us cheaper than slicing, timeit, CPU).
+        return out.as_strided_(*self.view) if fresh else out.as_strided(*self.view)
