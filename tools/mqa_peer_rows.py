@@ -59,17 +59,26 @@ ROWS = [
 T = TmaConfig
 EVICT = ("evict", MqaLogitsOptions(kv_evict_first=True))  # the dispatcher's config, KV evict-first
 NO_EVICT = ("no-evict", MqaLogitsOptions(kv_evict_first=False))
+# Session 19: a CTA of the skewed B=32 row streams ~20 tiles, and DeepGEMM puts 12 of its
+# (4 warpgroups x 3 stages) in flight at the start against our 9: deeper rings for the
+# few-tiles-a-CTA rows. At next_n=2 (n = 128) two Q buffers a warpgroup leave 8 stages
+# (DeepGEMM: 12 KV stages + 3 shared Q stages): one buffer and 12-16 stages.
+DEEP_NARROW = [T(3, 12, 3, 2), T(3, 18, 3, 2), T(4, 16, 4, 2)]
+ONE_Q_DEEP = [T(4, 12, 4, 1, 1, 0, 112), T(4, 16, 4, 1, 1, 0, 112)]
 SWEEPS: dict[str, list] = {
     # The KV stream's L2 policy against the dispatcher's (tma.kv_evict_first: evict-first for
     # small calls and next_n=1 calls of 256 requests or more, from session 18's sweep): every
     # row but the skewed B=32 one times the other policy. (The ring depths, warpgroups and Q
     # buffers: rounds 10-16 of docs/perf-log/mqa_logits.md.)
     "skew32": [T(3, 9, 3, 2, 1), ("small", MqaLogitsOptions(config=T(2, 6, 2, 2))), EVICT,
-               ("small-evict", MqaLogitsOptions(config=T(2, 6, 2, 2), kv_evict_first=True))],
+               ("small-evict", MqaLogitsOptions(config=T(2, 6, 2, 2), kv_evict_first=True)),
+               *DEEP_NARROW],
     "b32": [NO_EVICT],
     **{row.name: [NO_EVICT if kv_evict_first(0, row.batch, row.next_n) else EVICT]
        for row in ROWS if row.batch >= 64},
 }  # fmt: skip
+for _name in ("b256n2", "b64L64kn2", "skew128n2", "b256h32n2"):
+    SWEEPS[_name] = SWEEPS.get(_name, []) + ONE_Q_DEEP
 
 
 # --variants: candidate template changes (tools/mqa_logits_probe.py variant), each timed in the
