@@ -83,27 +83,9 @@ for _name in ("b256n2", "b64L64kn2", "skew128n2", "b256h32n2"):
 
 # --variants: candidate template changes (tools/mqa_logits_probe.py variant), each timed in the
 # dispatcher's config beside the shipped kernel on the rows named (round 16 timed the
-# weights' column groups in registers this way: docs/perf-log/mqa_logits.md).
-# "pfreach": each warpgroup prefetches the next request's Q (at the start and at its first
-# switch) only when the CTA's run of tiles reaches past its first request. In the skewed
-# B=32 row ~100 CTAs stream the long request alone, and each of their 3 warpgroups loads a
-# Q of 8 KB it never uses (2.4 MB at the kernel's start, beside the first KV burst); ncu
-# (round 18) saw ours hit L2 for 11 % of reads there against DeepGEMM's 29 %. (Round 17's
-# "nopf", no prefetch at all, was slower everywhere: switches then wait for Q.)
-VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
-    "pfreach": (
-        ("  int q_b = -1, pf_b = -1, early_b = -1, cur = QBUF - 1;",
-         "  int q_b = -1, pf_b = -1, early_b = -1, cur = QBUF - 1;\n"
-         "  bool run_crosses = true;  // the CTA's run reaches past its first request"),
-        ("    int seq = b < batch ? max(0, seq_lens[b * sl_stride]) : 0;",
-         "    int seq = b < batch ? max(0, seq_lens[b * sl_stride]) : 0;\n"
-         "    run_crosses = b >= batch || sched[1] + len > tiles_of(seq);"),
-        ("      if (QBUF == 2 && b + 1 < batch) {",
-         "      if (QBUF == 2 && b + 1 < batch && (b != sched[0] || run_crosses)) {"),
-        ("    pf_b = b + 1 < batch ? b + 1 : -1;",
-         "    pf_b = b + 1 < batch && (b != sched[0] || run_crosses) ? b + 1 : -1;"),
-    ),
-}  # fmt: skip
+# weights' column groups in registers this way, round 19 the Q prefetch only where a CTA's
+# run crosses a request, since shipped: docs/perf-log/mqa_logits.md).
+VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {}
 VARIANT_ROWS = ("skew32", "b32", "b1", "skew128n2", "b256", "b256n2", "d64n2", "b1024")
 # Rows whose variants are also timed in a forced config (column "<variant>-<config>"); round
 # 16 timed the weights' variants at d64n2 / d32n2 in their one-Q-buffer configs this way.
