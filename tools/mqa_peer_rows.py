@@ -59,33 +59,63 @@ ROWS = [
 T = TmaConfig
 EVICT = ("evict", MqaLogitsOptions(kv_evict_first=True))  # the dispatcher's config, KV evict-first
 NO_EVICT = ("no-evict", MqaLogitsOptions(kv_evict_first=False))
-# Session 19: a CTA of the skewed B=32 row streams ~20 tiles, and DeepGEMM puts 12 of its
-# (4 warpgroups x 3 stages) in flight at the start against our 9: deeper rings for the
-# few-tiles-a-CTA rows. At next_n=2 (n = 128) two Q buffers a warpgroup leave 8 stages
-# (DeepGEMM: 12 KV stages + 3 shared Q stages): one buffer and 12-16 stages.
-DEEP_NARROW = [T(3, 12, 3, 2), T(3, 18, 3, 2), T(4, 16, 4, 2)]
-ONE_Q_DEEP = [T(4, 12, 4, 1, 1, 0, 112), T(4, 16, 4, 1, 1, 0, 112)]
 SWEEPS: dict[str, list] = {
     # The KV stream's L2 policy against the dispatcher's (tma.kv_evict_first: evict-first for
     # small calls and next_n=1 calls of 256 requests or more, from session 18's sweep): every
     # row but the skewed B=32 one times the other policy. (The ring depths, warpgroups and Q
-    # buffers: rounds 10-16 of docs/perf-log/mqa_logits.md.)
+    # buffers: rounds 10-16 of docs/perf-log/mqa_logits.md; deeper rings at the skewed row
+    # and one Q buffer with 12-16 stages at next_n=2, both slower: round 19.)
     "skew32": [T(3, 9, 3, 2, 1), ("small", MqaLogitsOptions(config=T(2, 6, 2, 2))), EVICT,
-               ("small-evict", MqaLogitsOptions(config=T(2, 6, 2, 2), kv_evict_first=True)),
-               *DEEP_NARROW],
+               ("small-evict", MqaLogitsOptions(config=T(2, 6, 2, 2), kv_evict_first=True))],
     "b32": [NO_EVICT],
     **{row.name: [NO_EVICT if kv_evict_first(0, row.batch, row.next_n) else EVICT]
        for row in ROWS if row.batch >= 64},
 }  # fmt: skip
-for _name in ("b256n2", "b64L64kn2", "skew128n2", "b256h32n2"):
-    SWEEPS[_name] = SWEEPS.get(_name, []) + ONE_Q_DEEP
 
 
 # --variants: candidate template changes (tools/mqa_logits_probe.py variant), each timed in the
 # dispatcher's config beside the shipped kernel on the rows named (round 16 timed the
 # weights' column groups in registers this way, round 19 the Q prefetch only where a CTA's
 # run crosses a request, since shipped: docs/perf-log/mqa_logits.md).
-VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {}
+# "warpsched": the schedule derived by warp 0 alone (8 requests a lane, a warp scan: no
+# block-wide scan and its two barriers) for batches of up to 256 requests; session 19 timed
+# our entry point 0.4-1 us slower than with its schedule given, after the 32-bit split. Its
+# one run (round 19): half that gap at B <= 32, all of it at skew32 and B=256; to ship once
+# its GPU suite has run.
+VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "warpsched": (
+        ("  cta_tiles<WGS * 128 + 32 * PRODUCERS>(schedule, seq_lens, sl_stride, batch, red, sched);",
+         "  if (schedule == nullptr && batch <= 32 * kOnePassPerThread) {\n"
+         "    if (threadIdx.x < 32) {\n"
+         "      const int lane = threadIdx.x, k = (batch + 31) / 32, b0 = lane * k;\n"
+         "      int n[kOnePassPerThread], sum = 0;\n"
+         "#pragma unroll\n"
+         "      for (int i = 0; i < kOnePassPerThread; ++i) {\n"
+         "        n[i] = i < k && b0 + i < batch ? tiles_of(seq_lens[(b0 + i) * sl_stride]) : 0;\n"
+         "        sum += n[i];\n"
+         "      }\n"
+         "      int inc = sum;\n"
+         "#pragma unroll\n"
+         "      for (int o = 1; o < 32; o <<= 1) {\n"
+         "        const int y = __shfl_up_sync(0xffffffffu, inc, o);\n"
+         "        if (lane >= o) inc += y;\n"
+         "      }\n"
+         "      const int total = __shfl_sync(0xffffffffu, inc, 31);\n"
+         "      int start = inc - sum;\n"
+         "      const int x0 = split_point(blockIdx.x, gridDim.x, total), x1 = split_point(blockIdx.x + 1, gridDim.x, total);\n"
+         "      if (lane == 0) { sched[0] = batch; sched[1] = 0; sched[2] = x1 - x0; }\n"
+         "      __syncwarp();\n"
+         "#pragma unroll\n"
+         "      for (int i = 0; i < kOnePassPerThread; ++i) {\n"
+         "        if (n[i] > 0 && start <= x0 && x0 < start + n[i]) { sched[0] = b0 + i; sched[1] = x0 - start; }\n"
+         "        start += n[i];\n"
+         "      }\n"
+         "    }\n"
+         "  } else {\n"
+         "    cta_tiles<WGS * 128 + 32 * PRODUCERS>(schedule, seq_lens, sl_stride, batch, red, sched);\n"
+         "  }"),
+    ),
+}  # fmt: skip
 VARIANT_ROWS = ("skew32", "b32", "b1", "skew128n2", "b256", "b256n2", "d64n2", "b1024")
 # Rows whose variants are also timed in a forced config (column "<variant>-<config>"); round
 # 16 timed the weights' variants at d64n2 / d32n2 in their one-Q-buffer configs this way.
