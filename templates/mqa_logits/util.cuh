@@ -166,8 +166,8 @@ __device__ void locate_tile(const int* seq_lens, long long stride, int batch, in
 
 // In 32 bits wherever c * total fits (every call of up to 2^32 / ctas tiles: 2^25 at 128
 // CTAs, 2G tokens): a 64-bit division is a ~130-instruction subroutine, and a CTA deriving
-// its schedule (schedule_meta=None) took two of them on its critical path, 0.4-1 us of a
-// call (H200, MQA round 19: B=1 L=8K 4.1 us against 3.5 with the schedule given).
+// its schedule (schedule_meta=None) ran two of them before its first copy. (Measured a small
+// part of the 0.4-1 us that derivation costs against a given schedule: MQA round 19.)
 __device__ __forceinline__ int split_point(int c, int ctas, int total) {
   const unsigned cu = (unsigned)c, tu = (unsigned)total;
   if (__umulhi(cu, tu) == 0u) return (int)(cu * tu / (unsigned)ctas);
