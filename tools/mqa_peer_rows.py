@@ -77,45 +77,10 @@ SWEEPS: dict[str, list] = {
 # dispatcher's config beside the shipped kernel on the rows named (round 16 timed the
 # weights' column groups in registers this way, round 19 the Q prefetch only where a CTA's
 # run crosses a request, since shipped: docs/perf-log/mqa_logits.md).
-# "warpsched": the schedule derived by warp 0 alone (8 requests a lane, a warp scan: no
-# block-wide scan and its two barriers) for batches of up to 256 requests; session 19 timed
-# our entry point 0.4-1 us slower than with its schedule given, after the 32-bit split. Its
-# one run (round 19): half that gap at B <= 32, all of it at skew32 and B=256; to ship once
-# its GPU suite has run.
-VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
-    "warpsched": (
-        ("  cta_tiles<WGS * 128 + 32 * PRODUCERS>(schedule, seq_lens, sl_stride, batch, red, sched);",
-         "  if (schedule == nullptr && batch <= 32 * kOnePassPerThread) {\n"
-         "    if (threadIdx.x < 32) {\n"
-         "      const int lane = threadIdx.x, k = (batch + 31) / 32, b0 = lane * k;\n"
-         "      int n[kOnePassPerThread], sum = 0;\n"
-         "#pragma unroll\n"
-         "      for (int i = 0; i < kOnePassPerThread; ++i) {\n"
-         "        n[i] = i < k && b0 + i < batch ? tiles_of(seq_lens[(b0 + i) * sl_stride]) : 0;\n"
-         "        sum += n[i];\n"
-         "      }\n"
-         "      int inc = sum;\n"
-         "#pragma unroll\n"
-         "      for (int o = 1; o < 32; o <<= 1) {\n"
-         "        const int y = __shfl_up_sync(0xffffffffu, inc, o);\n"
-         "        if (lane >= o) inc += y;\n"
-         "      }\n"
-         "      const int total = __shfl_sync(0xffffffffu, inc, 31);\n"
-         "      int start = inc - sum;\n"
-         "      const int x0 = split_point(blockIdx.x, gridDim.x, total), x1 = split_point(blockIdx.x + 1, gridDim.x, total);\n"
-         "      if (lane == 0) { sched[0] = batch; sched[1] = 0; sched[2] = x1 - x0; }\n"
-         "      __syncwarp();\n"
-         "#pragma unroll\n"
-         "      for (int i = 0; i < kOnePassPerThread; ++i) {\n"
-         "        if (n[i] > 0 && start <= x0 && x0 < start + n[i]) { sched[0] = b0 + i; sched[1] = x0 - start; }\n"
-         "        start += n[i];\n"
-         "      }\n"
-         "    }\n"
-         "  } else {\n"
-         "    cta_tiles<WGS * 128 + 32 * PRODUCERS>(schedule, seq_lens, sl_stride, batch, red, sched);\n"
-         "  }"),
-    ),
-}  # fmt: skip
+# (Round 19's "warpsched", the schedule derived by warp 0 alone, is kept in its shipping
+# form as docs/perf-log/patches/mqa-warpsched.patch: apply it and compare with the "sched"
+# side rather than keep a second copy here.)
+VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {}
 VARIANT_ROWS = ("skew32", "b32", "b1", "skew128n2", "b256", "b256n2", "d64n2", "b1024")
 # Rows whose variants are also timed in a forced config (column "<variant>-<config>"); round
 # 16 timed the weights' variants at d64n2 / d32n2 in their one-Q-buffer configs this way.
