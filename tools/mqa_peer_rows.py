@@ -76,10 +76,8 @@ SWEEPS: dict[str, list] = {
 # --variants: candidate template changes (tools/mqa_logits_probe.py variant), each timed in the
 # dispatcher's config beside the shipped kernel on the rows named (round 16 timed the
 # weights' column groups in registers this way, round 19 the Q prefetch only where a CTA's
-# run crosses a request, since shipped: docs/perf-log/mqa_logits.md).
-# (Round 19's "warpsched", the schedule derived by warp 0 alone, is kept in its shipping
-# form as docs/perf-log/patches/mqa-warpsched.patch: apply it and compare with the "sched"
-# side rather than keep a second copy here.)
+# run crosses a request and the schedule derived by warp 0 alone, both since shipped:
+# docs/perf-log/mqa_logits.md).
 VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {}
 VARIANT_ROWS = ("skew32", "b32", "b1", "skew128n2", "b256", "b256n2", "d64n2", "b1024")
 # Rows whose variants are also timed in a forced config (column "<variant>-<config>"); round

@@ -72,7 +72,9 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   ring_init(full0, empty0, STAGES);
   fij::grid_dependency_wait();  // everything above touches parameters and shared memory only
   fij::grid_dependents_launch();
-  cta_tiles<WGS * 128 + 32 * PRODUCERS>(schedule, seq_lens, sl_stride, batch, red, sched);
+  // (The setmaxnreg kernels keep the block-wide derivation: at next_n=3 the warp's code
+  // before the loop spilled 8 bytes of it.)
+  cta_tiles<WGS * 128 + 32 * PRODUCERS, REGS == 0>(schedule, seq_lens, sl_stride, batch, red, sched);
   __syncthreads();  // sched is visible
   const int len = sched[2];
   if ((int)threadIdx.x >= WGS * 128) {

@@ -164,14 +164,12 @@ __device__ void locate_tile(const int* seq_lens, long long stride, int batch, in
   __syncthreads();
 }
 
-// In 32 bits wherever c * total fits (every call of up to 2^32 / ctas tiles: 2^25 at 128
-// CTAs, 2G tokens): a 64-bit division is a ~130-instruction subroutine, and a CTA deriving
-// its schedule (schedule_meta=None) ran two of them before its first copy. (Measured a small
-// part of the 0.4-1 us that derivation costs against a given schedule: MQA round 19.)
+// floor(c * total / ctas) in 32-bit operations, exact for every int total (c * (total %
+// ctas) < ctas^2 fits): a 64-bit division is a ~130-instruction subroutine on every CTA's
+// way to its first copy.
 __device__ __forceinline__ int split_point(int c, int ctas, int total) {
-  const unsigned cu = (unsigned)c, tu = (unsigned)total;
-  if (__umulhi(cu, tu) == 0u) return (int)(cu * tu / (unsigned)ctas);
-  return (int)((long long)c * total / ctas);
+  const unsigned q = (unsigned)total / (unsigned)ctas, r = (unsigned)total - q * (unsigned)ctas;
+  return (int)((unsigned)c * q + (unsigned)c * r / (unsigned)ctas);
 }
 
 // This CTA's run of tiles into sched[0..2] = (request, tile, count): from the caller's
@@ -180,11 +178,41 @@ __device__ __forceinline__ int split_point(int c, int ctas, int total) {
 // kOnePassPerThread * THREADS requests take one pass (below); more take two chunked ones.
 constexpr int kOnePassPerThread = 8;
 
-template <int THREADS>
+template <int THREADS, bool WARP = true>
 __device__ __forceinline__ void cta_tiles(const int* __restrict__ schedule, const int* __restrict__ seq_lens,
                                           long long sl_stride, int batch, int* red, int* sched) {
   const int lane = threadIdx.x & 31;
-  if (schedule == nullptr && batch <= kOnePassPerThread * THREADS) {
+  if (WARP && schedule == nullptr && batch <= 32 * kOnePassPerThread) {
+    // Up to 256 requests: warp 0 alone, 8 a lane, one warp scan. The block-wide scan's two
+    // barriers held every CTA's first copy: B=1 L=8K 3.74 -> 3.53 us, B=32 11.71 -> 11.46,
+    // the skewed B=32 row 11.62 -> 11.25 (a given schedule: 3.23, 11.18, 11.21; H200, MQA
+    // round 19, variant "warpsched").
+    if (threadIdx.x < 32) {
+      const int k = (batch + 31) / 32, b0 = lane * k;
+      int n[kOnePassPerThread], sum = 0;
+#pragma unroll
+      for (int i = 0; i < kOnePassPerThread; ++i) {
+        n[i] = i < k && b0 + i < batch ? tiles_of(seq_lens[(b0 + i) * sl_stride]) : 0;
+        sum += n[i];
+      }
+      int inc = sum;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += y;
+      }
+      const int total = __shfl_sync(0xffffffffu, inc, 31);
+      const int x0 = split_point(blockIdx.x, gridDim.x, total), x1 = split_point(blockIdx.x + 1, gridDim.x, total);
+      if (lane == 0) { sched[0] = batch; sched[1] = 0; sched[2] = x1 - x0; }  // past the end, unless found
+      __syncwarp();
+      int start = inc - sum;
+#pragma unroll
+      for (int i = 0; i < kOnePassPerThread; ++i) {
+        if (n[i] > 0 && start <= x0 && x0 < start + n[i]) { sched[0] = b0 + i; sched[1] = x0 - start; }
+        start += n[i];
+      }
+    }
+  } else if (schedule == nullptr && batch <= kOnePassPerThread * THREADS) {
     // One pass: each thread takes k consecutive requests, all k loads in flight at once,
     // and one scan of the threads' sums gives the total and each request's first tile.
     // The loads sit on every CTA's critical path: one round trip, where the chunked
