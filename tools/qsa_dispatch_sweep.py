@@ -76,6 +76,20 @@ def load_seed(path: Path) -> Callable | None:
         return None
 
 
+def seed_runs(seed_fn: Callable | None, args: tuple, expect: torch.Tensor, name: str) -> dict:
+    """``{"triton": run}`` where the seed's kernel passes its check on ``args``; ``{}``
+    where it is not importable or fails (printed: the column is skipped, the point goes on)."""
+    if seed_fn is None:
+        return {}
+    run = lambda a: seed_fn(*a)  # noqa: E731
+    try:
+        check(run, args, expect, SEED_TOL)
+    except Exception as exc:  # noqa: BLE001
+        print(f"{name}: seed Triton failed: {type(exc).__name__}: {exc}")
+        return {}
+    return {"triton": run}
+
+
 def precompile(points: Sequence[grid.Point], sms: int, clusters, jobs: int) -> None:
     """Build every NVRTC specialization of ``points`` into the cache, ``jobs`` at a time."""
     arch, start = device_arch(0), time.perf_counter()

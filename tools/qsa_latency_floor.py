@@ -41,7 +41,7 @@ from qsa_bench_util import (  # noqa: E402
     table,
     time_graphs,
 )
-from qsa_dispatch_sweep import SEED_TOL, default_seed_path, load_seed  # noqa: E402
+from qsa_dispatch_sweep import default_seed_path, load_seed, seed_runs  # noqa: E402
 
 from flashinfer_jit import qsa  # noqa: E402
 from flashinfer_jit._jit import cuda_device_index  # noqa: E402
@@ -94,12 +94,7 @@ def measure(point, seed_fn) -> dict:
         point.rows * point.hkv * -(-point.topk // 256), dtype=torch.int32, device="cuda"
     )
     runs = {"empty": empty_runner(sink), "chain": chain_runner(sink), "ours": ours}
-    if seed_fn is not None:
-        try:
-            check(lambda a: seed_fn(*a), sets[0], expect, SEED_TOL)
-            runs["triton"] = lambda a: seed_fn(*a)
-        except Exception as exc:  # noqa: BLE001 (the column is skipped, the row goes on)
-            print(f"{point.name}: seed Triton failed: {type(exc).__name__}: {exc}")
+    runs.update(seed_runs(seed_fn, sets[0], expect, point.name))
     graphs = {name: capture(run, sets) for name, run in runs.items()}
     return time_graphs(graphs, len(sets), REPS)
 
