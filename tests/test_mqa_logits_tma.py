@@ -14,6 +14,7 @@ from flashinfer_jit.mqa_logits.checks import SMEM_LIMIT, STATIC_SMEM, reg_cap
 from flashinfer_jit.mqa_logits.ring import ring_family
 from flashinfer_jit.mqa_logits.tma import (
     EVICT_MIN_BATCH,
+    EVICT_WIDE_MIN_BATCH,
     LEAN_REGS,
     NARROW_CONFIG,
     RING_STAGES,
@@ -88,7 +89,7 @@ def plan_of(batch: int, geometry: tuple, max_seq_len: int, options=None):
     """The kernel plan of a float32 call of ``batch`` requests (the H200's 132 SMs)."""
     small = small_work(batch, max_seq_len, 132)
     options = MqaLogitsOptions() if options is None else options
-    evict = kv_evict_first(small, batch, geometry[0])
+    evict = kv_evict_first(small, batch, geometry)
     return mq_plan.kernel_plan(geometry, (torch.float32,) * 3, 0, small, options, evict)
 
 
@@ -196,17 +197,26 @@ def test_options_set_the_kv_policy(picked, monkeypatch, max_seq_len, evict):
 
 
 @pytest.mark.parametrize(
-    "batch,next_n,max_seq_len,evict",
-    [(32, 1, 8192, True), (256, 1, 8192, True), (1024, 1, 2048, True), (255, 1, 8192, False),
-     (256, 2, 8192, False), (64, 1, 65536, False), (32, 2, 8192, True)],
+    "batch,geometry,max_seq_len,evict",
+    [(32, (1, 64, 128), 8192, True), (256, (1, 64, 128), 8192, True),
+     (1024, (1, 64, 128), 2048, True), (255, (1, 64, 128), 8192, False),
+     (64, (1, 64, 128), 65536, False), (32, (2, 64, 128), 8192, True),
+     # next_n 2-3 with a 16 KB Q or more: from EVICT_WIDE_MIN_BATCH requests
+     (256, (2, 64, 128), 8192, True), (128, (2, 64, 128), 8192, True),
+     (127, (2, 64, 128), 8192, False), (64, (2, 64, 128), 65536, False),
+     (128, (3, 64, 128), 16384, True),
+     # an 8 KB Q or less, or next_n=4: evict-normal
+     (256, (2, 32, 128), 8192, False), (256, (2, 64, 64), 8192, False),
+     (128, (4, 32, 128), 16384, False)],
 )  # fmt: skip
-def test_dispatcher_kv_policy(picked, monkeypatch, batch, next_n, max_seq_len, evict):
-    """Evict-first KV for small calls and for next_n=1 calls of EVICT_MIN_BATCH requests or
-    more (MQA round 18); the policy is part of the plan's key."""
+def test_dispatcher_kv_policy(picked, monkeypatch, batch, geometry, max_seq_len, evict):
+    """Evict-first KV for small calls, next_n=1 calls of EVICT_MIN_BATCH requests or more
+    (MQA round 18) and next_n=2-3 calls with a 16 KB Q of EVICT_WIDE_MIN_BATCH or more
+    (round 20); the policy is part of the plan's key."""
     monkeypatch.setattr(mq_plan, "capability", lambda device: (9, 0))
-    plan = plan_of(batch, (next_n, 64, 128, 64), max_seq_len)
+    plan = plan_of(batch, (*geometry, 64), max_seq_len)
     assert plan.extra == (int(evict),)
-    assert EVICT_MIN_BATCH == 256
+    assert (EVICT_MIN_BATCH, EVICT_WIDE_MIN_BATCH) == (256, 128)
 
 
 def test_dispatch_falls_back_to_the_ring_when_the_tma_kernel_is_missing(picked, monkeypatch):

@@ -146,15 +146,28 @@ def small_work(batch: int, max_seq_len: int, num_sms: int) -> int:
 # The KV stream's L2 policy (KvPolicy, templates/mqa_logits/ring.cuh) without an option:
 # evict-first where the reads it keeps in L2 (each request's Q and weights, read by every CTA
 # of the request, and the block table) are worth more than the stream's: small calls (MQA
-# round 8) and next_n=1 calls of EVICT_MIN_BATCH requests or more (round 18, H200, per call
-# in a graph: B=256 2-5 % faster in 3 of 4 runs, at H=32 4 %, head_dim 64 5 %, B=1024 2 %;
-# at next_n=2 and at B=64 L=64K level or 1-3 % slower, so those keep evict-normal).
+# round 8), next_n=1 calls of EVICT_MIN_BATCH requests or more (round 18, H200, per call in
+# a graph: B=256 2-5 % faster in 3 of 4 runs, at H=32 4 %, head_dim 64 5 %, B=1024 2 %), and
+# next_n=2-3 calls of EVICT_WIDE_MIN_BATCH or more whose Q is 16 KB or more a request (round
+# 20, four runs: B=256 next_n=2 H=64 0.7-3.3 % faster in 4 of 4, the skewed B=128 next_n=2
+# row 0.4-3.5 % in 3 of 4, next_n=3 H=64 2 % in 2 of 2). Evict-normal stays where it measured
+# level or slower: B=64 L=64K, next_n=2 with an 8 KB Q or less (H=32; head_dim 32-64), and
+# next_n=4 H=32 (3 % slower in 2 of 2).
 EVICT_MIN_BATCH = 256
+EVICT_WIDE_MIN_BATCH = 128
+EVICT_WIDE_Q_BYTES = 16384
 
 
-def kv_evict_first(small: int, batch: int, next_n: int) -> bool:
-    """The dispatcher's KV policy for a call of ``batch`` requests (``small``: small_work)."""
-    return small > 0 or (next_n == 1 and batch >= EVICT_MIN_BATCH)
+def kv_evict_first(small: int, batch: int, geometry: tuple) -> bool:
+    """The dispatcher's KV policy for a call of ``batch`` requests (``small``: small_work;
+    ``geometry``: (next_n, heads, head_dim, ...))."""
+    next_n, heads, dim = geometry[:3]
+    wide = 2 <= next_n <= 3 and next_n * heads * dim >= EVICT_WIDE_Q_BYTES
+    return (
+        small > 0
+        or (next_n == 1 and batch >= EVICT_MIN_BATCH)
+        or (wide and batch >= EVICT_WIDE_MIN_BATCH)
+    )
 
 
 # Ring depth (64-token stages): 8-10 (68-85 KB of reads in flight per SM, what HBM's
