@@ -66,7 +66,7 @@ SWEEPS: dict[str, list] = {
     # row but the skewed B=32 one times the other policy. (The ring depths, warpgroups and Q
     # buffers: rounds 10-16 of docs/perf-log/mqa_logits.md; deeper rings at the skewed row
     # and one Q buffer with 12-16 stages at next_n=2, both slower: round 19.)
-    "skew32": [T(3, 9, 3, 2, 1), ("small", MqaLogitsOptions(config=T(2, 6, 2, 2))), EVICT,
+    "skew32": [T(3, 9, 3, 2), ("small", MqaLogitsOptions(config=T(2, 6, 2, 2))), EVICT,
                ("small-evict", MqaLogitsOptions(config=T(2, 6, 2, 2), kv_evict_first=True))],
     "b32": [NO_EVICT],
     **{row.name: [NO_EVICT if kv_evict_first(0, row.batch, (row.next_n, row.heads, row.dim)) else EVICT]

@@ -211,9 +211,12 @@ def tma_config(n: int, small: int = 0, dim: int = 128, next_n: int = 1) -> TmaCo
     - Larger n: the most warpgroups (at most 4) whose accumulators fit the register cap
       (the consumers are latency-bound), one producer warp per warpgroup, two Q buffers
       while that leaves 2 ring stages a warpgroup (round 3: 5 % faster at n=128).
-    - The lean consumer loop (``lean``) for calls that are not small below head_dim 128
-      at next_n <= 2 (rounds 13-14: 3-18 % faster than the plain loop; at next_n 3-4 its
-      store rows spill without setmaxnreg).
+    - The lean consumer loop (``lean``) at next_n <= 2 for calls that are not small below
+      head_dim 128 (rounds 13-14: 3-18 % faster than the plain loop; at next_n 3-4 its
+      store rows spill without setmaxnreg), and at n <= 64 up to head_dim 128, small calls
+      too (rounds 16-20, the "other loop" column of four runs beside DeepGEMM: B=32 2.5-4 %
+      faster in 4 of 4, B=1 2-7 % in 3 of 4, B=64 L=64K 1-2 % in 4 of 4, H=32 B=256 1.5 %
+      in 2 of 2, B=256 and B=1024 level).
     - Paired tiles (``pair``) at n = 64, head_dim 64 (PAIRED_CONFIG; round 14, level with
       DeepGEMM, 6 % faster than lean 4 x 16); not faster at head_dim 32 or 128.
     - setmaxnreg (``regs``: the four producer warps give registers to the consumers within
@@ -222,7 +225,9 @@ def tma_config(n: int, small: int = 0, dim: int = 128, next_n: int = 1) -> TmaCo
       before), and WIDE_REGS_CONFIGS' 3 warpgroups at 160 at next_n 3-4, head_dim 128
       (next_n=3 H=64 8 %, next_n=4 H=32 4-6 % faster).
     """
-    if (small and n <= 64) or (small >= 2 and n == 128):
+    if small and n <= 64:
+        return _deeper(SMALL_CONFIG, n, dim)._replace(lean=int(dim <= 128))
+    if small >= 2 and n == 128:
         return _deeper(SMALL_CONFIG, n, dim)
     config = _sized(n, dim)
     if small or dim > 128:
@@ -231,7 +236,7 @@ def tma_config(n: int, small: int = 0, dim: int = 128, next_n: int = 1) -> TmaCo
         return WIDE_REGS_CONFIGS.get(n, config) if dim == 128 else config
     if n == 128:
         return config._replace(lean=1, regs=LEAN_REGS)
-    return config._replace(lean=1) if dim < 128 else config
+    return config._replace(lean=1) if dim < 128 or n <= 64 else config
 
 
 def _sized(n: int, dim: int) -> TmaConfig:
