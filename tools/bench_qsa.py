@@ -315,7 +315,10 @@ def parse_args() -> argparse.Namespace:
     sweep.add_argument("--time-limit", type=float, default=380.0,
                        help="s from the sweep's start (builds included) after which no point "
                        "starts; the table still prints (default 380)")  # fmt: skip
-    return parser.parse_args()
+    opts = parser.parse_args()
+    if opts.short and opts.list:  # (--list is the dispatch sweep's; --short needs a GPU)
+        parser.error("--list lists the dispatch sweep's points; --short has no list")
+    return opts
 
 
 def banner() -> dict:
