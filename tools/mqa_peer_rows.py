@@ -59,6 +59,7 @@ ROWS = [
 T = TmaConfig
 EVICT = ("evict", MqaLogitsOptions(kv_evict_first=True))  # the dispatcher's config, KV evict-first
 NO_EVICT = ("no-evict", MqaLogitsOptions(kv_evict_first=False))
+NO_PDL = ("no-pdl", MqaLogitsOptions(pdl=False))
 SWEEPS: dict[str, list] = {
     # The KV stream's L2 policy against the dispatcher's (tma.kv_evict_first: evict-first for
     # small calls, next_n=1 calls of 256 requests or more and next_n=2-3 calls of 128 or more
@@ -66,9 +67,12 @@ SWEEPS: dict[str, list] = {
     # row but the skewed B=32 one times the other policy. (The ring depths, warpgroups and Q
     # buffers: rounds 10-16 of docs/perf-log/mqa_logits.md; deeper rings at the skewed row
     # and one Q buffer with 12-16 stages at next_n=2, both slower: round 19.)
-    "skew32": [T(3, 9, 3, 2), ("small", MqaLogitsOptions(config=T(2, 6, 2, 2))), EVICT,
-               ("small-evict", MqaLogitsOptions(config=T(2, 6, 2, 2), kv_evict_first=True))],
-    "b32": [NO_EVICT],
+    # "no-pdl": an ordinary launch, as DeepGEMM's (its runtime leaves PDL off): whether the
+    # programmatic launch's early CTAs help or hold the rows a fixed chain dominates.
+    "skew32": [("small", MqaLogitsOptions(config=T(2, 6, 2, 2, 1))), EVICT,
+               ("small-evict", MqaLogitsOptions(config=T(2, 6, 2, 2, 1), kv_evict_first=True)), NO_PDL],
+    "b32": [NO_EVICT, NO_PDL],
+    "b1": [NO_PDL],
     **{row.name: [NO_EVICT if kv_evict_first(0, row.batch, (row.next_n, row.heads, row.dim)) else EVICT]
        for row in ROWS if row.batch >= 64},
 }  # fmt: skip
