@@ -215,7 +215,7 @@ def tma_config(n: int, small: int = 0, dim: int = 128, next_n: int = 1) -> TmaCo
       head_dim 128 (rounds 13-14: 3-18 % faster than the plain loop; at next_n 3-4 its
       store rows spill without setmaxnreg), and at n <= 64 up to head_dim 128, small calls
       too (rounds 16-20, the "other loop" column of four runs beside DeepGEMM: B=32 2.5-4 %
-      faster in 4 of 4, B=1 2-7 % in 3 of 4, B=64 L=64K 1-2 % in 4 of 4, H=32 B=256 1.5 %
+      faster in 4 of 4, B=1 2-12 % in 3 of 4, B=64 L=64K 1-2 % in 4 of 4, H=32 B=256 1.5 %
       in 2 of 2, B=256 and B=1024 level).
     - Paired tiles (``pair``) at n = 64, head_dim 64 (PAIRED_CONFIG; round 14, level with
       DeepGEMM, 6 % faster than lean 4 x 16); not faster at head_dim 32 or 128.
@@ -226,7 +226,7 @@ def tma_config(n: int, small: int = 0, dim: int = 128, next_n: int = 1) -> TmaCo
       (next_n=3 H=64 8 %, next_n=4 H=32 4-6 % faster).
     """
     if small and n <= 64:
-        return _deeper(SMALL_CONFIG, n, dim)._replace(lean=int(dim <= 128))
+        return _deeper(SMALL_CONFIG, n, dim)._replace(lean=int(dim <= 128 and next_n <= 2))
     if small >= 2 and n == 128:
         return _deeper(SMALL_CONFIG, n, dim)
     config = _sized(n, dim)
