@@ -29,7 +29,7 @@ from .checks import kernel_smem
 from .clean import clean_specs
 from .generic import generic_family, generic_plan
 from .launch import KernelPlan, Launch
-from .ring import RingConfig, ring_family, ring_params
+from .ring import RingConfig, kernel_dtypes, logits_flags, ring_family, ring_params
 from .schedule import SCHEDULE_THREADS, schedule_family
 from .tma import (
     TMA_DIMS,
@@ -102,7 +102,7 @@ def _tma_plan(
         if config.stages < config.warpgroups:
             raise KernelUnavailable(f"forced TMA config {forced}: no ring stage fits")
     family = tma_family if options.tma_family is None else options.tma_family
-    kernel = family.get((*geometry, *dtypes, *config), device)
+    kernel = family.get((*geometry, *kernel_dtypes(dtypes), *config), device)
     promotion = options.l2_promotion
     smem = tma_smem_bytes(n, dim, config.warpgroups, config.stages, config.qbuf)
     threads = tma_threads(config.warpgroups, config.producers)
@@ -111,7 +111,8 @@ def _tma_plan(
         return (kv_tensor_map(kv_ptr, kv_fused.shape[0], block_size, dim, promotion),)
 
     grid = (sm_count(device), 1, 1)
-    return KernelPlan(kernel, grid, (threads, 1, 1), smem, (evict,), kv_map, options.pdl)
+    flags = (logits_flags(dtypes, evict),)
+    return KernelPlan(kernel, grid, (threads, 1, 1), smem, flags, kv_map, options.pdl)
 
 
 def tma_serves(dim: int, cap: tuple[int, int]) -> bool:
@@ -149,7 +150,8 @@ def _specialized_plan(
     warpgroups, stages, _, ring = params[7:11]
     smem = kernel_smem(next_n * heads, dim, warpgroups, stages, ring)
     threads = 128 * warpgroups + (32 if ring else 0)  # the ring kernel's producer warp
-    plan = KernelPlan(kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, (evict,))
+    flags = (logits_flags(dtypes, evict),)
+    plan = KernelPlan(kernel, (sm_count(device), 1, 1), (threads, 1, 1), smem, flags)
     return _launchable(plan, kernel.name)
 
 
@@ -216,5 +218,5 @@ def prebuild_specs(workloads: dict) -> list[KernelSpec]:
         if geometry[2] in TMA_DIMS:  # sm_90a's kernels (the spec names its arch)
             for small in range(3):  # the classes of tma.small_work
                 config = tma_config(next_n * heads, small, geometry[2], next_n)
-                specs.add(tma_family.spec((*geometry, *dtypes, *config)))
+                specs.add(tma_family.spec((*geometry, *kernel_dtypes(dtypes), *config)))
     return sorted(specs, key=str)

@@ -227,7 +227,7 @@ __device__ __forceinline__ void ring_body(unsigned char* smem, const int* sched,
                                           const int* __restrict__ block_tables, long long bt_stride,
                                           const int* __restrict__ seq_lens, long long sl_stride,
                                           OutT* __restrict__ out, long long out_stride, int batch,
-                                          bool kv_evict_first) {
+                                          bool kv_evict_first, bool out_bf16) {
   constexpr int N = NEXT_N * HEADS;
   constexpr int WORDS = DIM / 16;
   constexpr int KBYTES = kTile * DIM;
@@ -313,10 +313,10 @@ __device__ __forceinline__ void ring_body(unsigned char* smem, const int* sched,
     tile_mma<N, DIM, F16ACC, WGMMA>(ka, qbuf, acc_u, g, tig);
     if constexpr (WREG)
       tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc_u, wreg, sc0, sc1, m.x, m.y, m.z, out, out_stride, warp, g,
-                                                  tig);
+                                                  tig, out_bf16);
     else
       tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc_u, WeightsSmem{wbuf + 2 * tig}, sc0, sc1, m.x, m.y, m.z, out,
-                                                  out_stride, warp, g, tig);
+                                                  out_stride, warp, g, tig, out_bf16);
   }
 }
 

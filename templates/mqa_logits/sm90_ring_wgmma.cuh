@@ -43,7 +43,8 @@ paged_mqa_logits(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS
                  const int* __restrict__ seq_lens, long long sl_stride,
                  const int* __restrict__ schedule,          // [gridDim.x + 1, 2] or nullptr
                  OutT* __restrict__ out, long long out_stride, int batch,
-                 int kv_evict_first) {  // the ring's KV L2 policy (KvPolicy); the direct form reads plainly
+                 int flags) {  // bit 0: the ring's KV L2 policy (KvPolicy; the direct form reads plainly);
+                               // bit 1: 16-bit logits rounded to bf16 (TileSums::write)
   constexpr int N = NEXT_N * HEADS;
   constexpr int THREADS = WGS * 128 + (RING ? 32 : 0);
   constexpr int WORDS = DIM / 16;  // A-fragment words per token row per thread
@@ -70,7 +71,7 @@ paged_mqa_logits(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS
   if constexpr (RING) {
     ring_body<NEXT_N, HEADS, DIM, BLOCK, OutT, EpiT, AccT, WGS, STAGES, WGMMA>(
         smem, sched, q, kv, weights, block_tables, bt_stride, seq_lens, sl_stride, out, out_stride, batch,
-        kv_evict_first != 0);
+        kv_evict_first<OutT>(flags), logits_bf16<OutT>(flags));
     return;
   }
   const int len = sched[2];
@@ -176,7 +177,7 @@ paged_mqa_logits(const unsigned char* __restrict__ q,       // [B, NEXT_N, HEADS
       if (loads_left > 0) issue(ka[st], kscale[st], st_b[st], st_t[st], st_rows[st]);
 
       tile_store<NEXT_N, HEADS, OutT, EpiT, AccT>(acc_u, WeightsSmem{wbuf + 2 * tig}, sc0, sc1, b, tile, rows, out,
-                                                  out_stride, warp, g, tig);
+                                                  out_stride, warp, g, tig, logits_bf16<OutT>(flags));
     }
   }
 }

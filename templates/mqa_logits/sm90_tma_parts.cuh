@@ -219,12 +219,12 @@ __device__ __forceinline__ void tma_mma_wait(unsigned (&acc)[ACC_WORDS]) {
 template <int NEXT_N, int HEADS, typename OutT, typename EpiT, typename AccT, int ACC_WORDS, typename W>
 __device__ __forceinline__ void tma_epilogue(unsigned (&acc)[ACC_WORDS], const W& wts, unsigned empty_bar,
                                              float sc0, float sc1, int4 m, OutT* __restrict__ out,
-                                             long long out_stride, int warp, int g, int tig) {
+                                             long long out_stride, int warp, int g, int tig, bool bf16) {
   TileSums<NEXT_N, HEADS, OutT, EpiT, AccT> sums;
   tma_mma_wait<0, 0, ACC_WORDS>(acc);
   release_stage(empty_bar);
   sums.template add<0, NEXT_N * HEADS / 8>(acc, wts, tig);
-  sums.store(sc0, sc1, m.x, m.y, m.z, out, out_stride, warp, g, tig);
+  sums.store(sc0, sc1, m.x, m.y, m.z, out, out_stride, warp, g, tig, bf16);
 }
 
 }  // namespace fij_mqa

@@ -38,7 +38,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
                      const int* __restrict__ seq_lens, long long sl_stride,
                      const int* __restrict__ schedule,          // [gridDim.x + 1, 2] or nullptr
                      OutT* __restrict__ out, long long out_stride, int batch,
-                     int kv_evict_first,                        // the KV stream's L2 policy (KvPolicy)
+                     int flags,  // bit 0: the KV stream's L2 policy (KvPolicy); bit 1: 16-bit logits as bf16
                      const __grid_constant__ TensorMap kv_map) {  // the pool's fp8 values, see above
   constexpr int N = NEXT_N * HEADS;
   constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
@@ -79,7 +79,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   const int len = sched[2];
   if ((int)threadIdx.x >= WGS * 128) {
     if constexpr (REGS > 0) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    const TmaTileCopy<DIM, BLOCK> copy{&kv_map, kv, base, base + L::kScales, KvPolicy::make(kv_evict_first != 0)};
+    const TmaTileCopy<DIM, BLOCK> copy{&kv_map, kv, base, base + L::kScales, KvPolicy::make(kv_evict_first<OutT>(flags))};
     ring_produce<LEAN != 0, PAIR != 0>(meta, full0, empty0, STAGES, BLOCK, sched, copy, block_tables, bt_stride, seq_lens,
                             sl_stride, batch, (threadIdx.x - WGS * 128) >> 5, PRODUCERS);
     return;
@@ -88,6 +88,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   // ---- consumer warpgroups: tile i of the run goes to warpgroup i % WGS ---------------
   // (PAIR: tiles 2j and 2j + 1 to warpgroup j % WGS)
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  const bool out_bf16 = logits_bf16<OutT>(flags);
   constexpr int T = PAIR ? 2 : 1;  // tiles a warpgroup takes at a time
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
   const unsigned bar_id = 1 + wg;
@@ -183,12 +184,13 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     const float sc0 = scales[warp * 16 + g], sc1 = scales[warp * 16 + g + 8];
     if constexpr (WREG) {
       tma_epilogue<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, wreg, empty0 + 8 * s, sc0, sc1, m, out, out_stride,
-                                                    warp, g, tig);
+                                                    warp, g, tig, out_bf16);
     } else {
       const float* wbuf = reinterpret_cast<const float*>(smem + L::kW) +
                           (wg * QBUF + cur) * LaneWeights<N>::kFloats + tig * LaneWeights<N>::kStride;
       tma_epilogue<NEXT_N, HEADS, OutT, EpiT, AccT>(acc, LaneWeights<N>{reinterpret_cast<const float4*>(wbuf)},
-                                                    empty0 + 8 * s, sc0, sc1, m, out, out_stride, warp, g, tig);
+                                                    empty0 + 8 * s, sc0, sc1, m, out, out_stride, warp, g, tig,
+                                                    out_bf16);
     }
   };
   // Waits for tile i and returns its descriptor (m.x >= batch: padding, already released).
@@ -213,7 +215,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
     const int wgu = __shfl_sync(0xffffffffu, wg, 0), lenu = __shfl_sync(0xffffffffu, len, 0);
     if (T * wgu < lenu && pf_b >= 0) switch_to(pf_b);
     using Sums = TileSums<NEXT_N, HEADS, OutT, EpiT, AccT>;
-    LaneRows<Sums, OutT> rows_out(warp, g, tig);
+    LaneRows<Sums, OutT> rows_out(warp, g, tig, out_bf16);
     if (q_b >= 0) rows_out.point(out, out_stride, q_b, tig);
     const float* sc_lane = reinterpret_cast<const float*>(smem + L::kScales) + warp * 16 + g;
     const unsigned a_lo0 = P::desc_lo(base);

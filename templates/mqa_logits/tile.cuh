@@ -202,6 +202,19 @@ __device__ __forceinline__ void quad_reduce_scatter(const T (&v)[V], T (&res)[(V
   if constexpr (H % 2) res[H / 2] = add(h[H - 1], __shfl_xor_sync(0xffffffffu, h[H - 1], 2));
 }
 
+// The logits kernels' flags argument (the host's mqa_logits/ring.py logits_flags): bit 0 the
+// KV stream's evict-first L2 policy, bit 1 bfloat16 rounding of 16-bit logits. A float32
+// specialization is never launched with bit 1, so it reads the word whole as before bit 1
+// existed: its code is what it was.
+template <typename OutT>
+__device__ __forceinline__ bool kv_evict_first(int flags) {
+  return sizeof(OutT) == 2 ? (flags & 1) != 0 : flags != 0;
+}
+template <typename OutT>
+__device__ __forceinline__ bool logits_bf16(int flags) {
+  return sizeof(OutT) == 2 && (flags & 2) != 0;
+}
+
 // One tile's epilogue for one thread: ReLU, weights and the in-thread head sums over the
 // accumulator's 8-column groups (add, in any split of [0, N/8) in order: the TMA kernel
 // adds the first half while the MMA of the second half runs), then the quad reduction,
@@ -211,8 +224,9 @@ struct TileSums {
   static constexpr int N = NEXT_N * HEADS;
   static constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
   static constexpr bool F16EPI = same_type<EpiT, fij::half_t>::value;
-  static constexpr bool F16OUT = same_type<OutT, fij::half_t>::value;
-  static constexpr bool BF16OUT = same_type<OutT, fij::bf16_t>::value;
+  // 16-bit logits (OutT half_t) are rounded to float16 or, with ``bf16``, to bfloat16 at
+  // the store: one specialization serves both (a run-time choice of one conversion).
+  static constexpr bool OUT16 = sizeof(OutT) == 2;
   // f32 epilogue: two independent FMA chains per (t, row), summed at the end (ILP).
   float part[NEXT_N][2], part_b[NEXT_N][2];
   // f16 epilogue: per (t, row) one half2 chain over the column pairs (a fused multiply-add
@@ -272,13 +286,14 @@ struct TileSums {
   static __device__ __forceinline__ int item(int m, int tig) { return m < V / 4 ? 4 * m + tig : V - 2 + (tig & 1); }
   // Whether the lane stores its m-th item (the shared tail item: lanes 0-1 write it).
   static __device__ __forceinline__ bool stores(int m, int tig) { return !(m == V / 4 && (tig & 2)); }
-  static __device__ __forceinline__ void write(OutT* dst, Item value) {
-    if constexpr (F16OUT) {
-      if constexpr (F16EPI) reinterpret_cast<unsigned short*>(dst)[0] = (unsigned short)value;
-      else reinterpret_cast<unsigned short*>(dst)[0] = f2h(value);
-    } else if constexpr (BF16OUT) {  // rounded once from the epilogue's value
-      if constexpr (F16EPI) reinterpret_cast<unsigned short*>(dst)[0] = f2bf(h2f((unsigned short)value));
-      else reinterpret_cast<unsigned short*>(dst)[0] = f2bf(value);
+  static __device__ __forceinline__ void write(OutT* dst, Item value, bool bf16) {
+    if constexpr (OUT16) {
+      unsigned short bits;
+      if (bf16)  // rounded once from the epilogue's value
+        bits = F16EPI ? f2bf(h2f((unsigned short)value)) : f2bf(value);
+      else
+        bits = F16EPI ? (unsigned short)value : f2h(value);
+      reinterpret_cast<unsigned short*>(dst)[0] = bits;
     } else {
       if constexpr (F16EPI) *reinterpret_cast<float*>(dst) = h2f((unsigned short)value);
       else *reinterpret_cast<float*>(dst) = value;
@@ -307,13 +322,14 @@ struct TileSums {
     }
   }
   __device__ __forceinline__ void store(float sc0, float sc1, int b, int tile, int rows, OutT* __restrict__ out,
-                                        long long out_stride, int warp, int g, int tig) const {
+                                        long long out_stride, int warp, int g, int tig, bool bf16) const {
     const int pos = tile * kTile + warp * 16 + g + 8 * (tig & 1);
     Item res[M];
     reduce(sc0, sc1, tig, res);
 #pragma unroll
     for (int m = 0; m < M; ++m)
-      if (pos < rows && stores(m, tig)) write(out + (long long)(b * NEXT_N + (item(m, tig) >> 1)) * out_stride + pos, res[m]);
+      if (pos < rows && stores(m, tig))
+        write(out + (long long)(b * NEXT_N + (item(m, tig) >> 1)) * out_stride + pos, res[m], bf16);
   }
 };
 
@@ -323,8 +339,10 @@ struct TileSums {
 template <typename Sums, typename OutT>
 struct LaneRows {
   OutT* row[Sums::M];
-  int pos0;  // the lane's token row in a tile
-  __device__ __forceinline__ LaneRows(int warp, int g, int tig) : pos0(warp * 16 + g + 8 * (tig & 1)) {}
+  int pos0;   // the lane's token row in a tile
+  bool bf16;  // 16-bit logits rounded to bfloat16 (TileSums::write)
+  __device__ __forceinline__ LaneRows(int warp, int g, int tig, bool bf16_)
+      : pos0(warp * 16 + g + 8 * (tig & 1)), bf16(bf16_) {}
   __device__ __forceinline__ void point(OutT* __restrict__ out, long long out_stride, int b, int tig) {
 #pragma unroll
     for (int m = 0; m < Sums::M; ++m)
@@ -334,17 +352,17 @@ struct LaneRows {
     const bool in = tile * kTile + pos0 < rows;
 #pragma unroll
     for (int m = 0; m < Sums::M; ++m)
-      if (in && Sums::stores(m, tig)) Sums::write(row[m] + tile * kTile, res[m]);
+      if (in && Sums::stores(m, tig)) Sums::write(row[m] + tile * kTile, res[m], bf16);
   }
 };
 
 template <int NEXT_N, int HEADS, typename OutT, typename EpiT, typename AccT, typename W>
 __device__ __forceinline__ void tile_store(const unsigned* acc_u, const W& wts, float sc0, float sc1, int b,
                                            int tile, int rows, OutT* __restrict__ out, long long out_stride,
-                                           int warp, int g, int tig) {
+                                           int warp, int g, int tig, bool bf16) {
   TileSums<NEXT_N, HEADS, OutT, EpiT, AccT> sums;
   sums.template add<0, NEXT_N * HEADS / 8>(acc_u, wts, tig);
-  sums.store(sc0, sc1, b, tile, rows, out, out_stride, warp, g, tig);
+  sums.store(sc0, sc1, b, tile, rows, out, out_stride, warp, g, tig, bf16);
 }
 
 }  // namespace fij_mqa
