@@ -1,6 +1,7 @@
 """Engine latency of every op on a GPU (issue 21, items 3-5): first calls and hot host cost.
 
     python tools/bench_engine.py [--json FILE] [--calls 3000]   # on the GPU machine
+    python tools/bench_engine.py --peers DG_DIR ...             # the peers' first calls too
     python tools/bench_engine.py --dry-run                      # anywhere: what it measures
 
 First calls, per op (the rows of FIRST_CALLS), each in a new process with
@@ -9,7 +10,9 @@ prebuilt bundle: "cold" with an empty cache (render + NVRTC + store + load, and 
 compiled launcher's build), then "warm" with the cache the cold run left (disk lookup +
 load). The figure is the call and a synchronize, in ms; importing the package is timed
 apart ("import ms"). The kernels a cold call compiled are read back from the cache's
-records (count, and the NVRTC seconds of each, summed).
+records (count, and the NVRTC seconds of each, summed). With --peers, each peer's first
+call (tools/engine_rows.py's PEER_ROWS) is timed the same way, its own compile cache empty
+and then warm: what a cold first call of ours is read against.
 
 Hot host cost, every row of tools/engine_rows.py in one process, the rows alternating
 round by round: each call on an idle GPU (synchronized before it); "host us" the median
@@ -39,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from bench_util import warm_gpu  # noqa: E402
-from engine_rows import EMPTY_ALLOC_OP, EMPTY_OP, ROWS, calls  # noqa: E402
+from engine_rows import EMPTY_ALLOC_OP, EMPTY_OP, PEER_ROWS, ROWS, calls  # noqa: E402
 
 # The row whose first call stands for each op's (QSA: one row per set of kernels compiled).
 FIRST_CALLS = (
@@ -51,18 +54,28 @@ FIRST_CALLS = (
 BAR = 1.2  # item 4: a cached call's host time within 1.2x of the empty torch op's
 ROUNDS = 30  # hot rows alternate this many times
 CHILD_TIMEOUT_S = 300
+# A peer's compile cache, pointed into the row's temporary cache folder (cold, then warm).
+PEER_CACHE_ENV = ("DG_JIT_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+ALL_ROWS = {**ROWS, **PEER_ROWS}
+# The seed's Triton QSA (an anchor: imported, never copied), carried to the GPU machine in
+# .device/anchors or beside the checkout (tools/qsa_dispatch_sweep.py looks the same way).
+SEED_TRITON = ROOT / ".device/anchors/qsa_seed_triton.py"
+if not SEED_TRITON.is_file():
+    SEED_TRITON = ROOT.parent / "shared/anchors/qsa_seed_triton.py"
 
 
 def child(row: str, profile: str | None = None) -> None:
     """One row's first and second call in this (new) process: JSON on the last line. With
     ``profile`` (a file), the first call runs under cProfile and its top entries go there."""
+    if os.environ.get("FIJ_BENCH_DEEPGEMM"):  # --peers: the folder holding deep_gemm
+        sys.path.insert(0, os.environ["FIJ_BENCH_DEEPGEMM"])
     torch.zeros(1, device="cuda")
     torch.cuda.synchronize()
     start = time.perf_counter()
     import flashinfer_jit  # noqa: F401 (what importing the package costs)
 
     import_ms = (time.perf_counter() - start) * 1e3
-    call = ROWS[row].make("cuda")
+    call = ALL_ROWS[row].make("cuda")
     torch.cuda.synchronize()
     times = []
     for i in range(2):
@@ -83,6 +96,7 @@ def child(row: str, profile: str | None = None) -> None:
 def run_child(row: str, cache: str, profile: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "FLASHINFER_JIT_CUBIN_PATH"}
     env.update(FLASHINFER_JIT_CACHE_DIR=cache, FLASHINFER_JIT_STRICT="1")
+    env.update({name: f"{cache}/{name.lower()}" for name in PEER_CACHE_ENV})
     out = subprocess.run(
         [sys.executable, __file__, "--child", row, *(["--profile", profile] if profile else [])],
         env=env,
@@ -117,10 +131,10 @@ def first_calls(rows: tuple[str, ...], profile: str | None = None) -> list[dict]
                 warm = run_child(row, cache, profile and f"{profile}/warm_first_call_{i}.txt")
             except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the other rows go on
                 print(f"{row}: FAILED {exc}", flush=True)
-                results.append({"row": row, "op": ROWS[row].op, "error": str(exc)})
+                results.append({"row": row, "op": ALL_ROWS[row].op, "error": str(exc)})
                 continue
         results.append(
-            {"row": row, "op": ROWS[row].op, "cold": cold, "warm": warm, "kernels": kernels}
+            {"row": row, "op": ALL_ROWS[row].op, "cold": cold, "warm": warm, "kernels": kernels}
         )
         print(
             f"{row}: cold {cold['first_ms']:.1f} ms ({len(kernels)} kernels), "
@@ -169,7 +183,7 @@ def hot_rows(calls_per_row: int) -> dict[str, dict]:
 
 
 def print_table(first: list[dict], hot: dict[str, dict], device: str) -> None:
-    width = max(map(len, ROWS))
+    width = max(map(len, ALL_ROWS))
     print(f"\nengine latency on {device}")
     print(f"{'first call (new process)':{width}}  cold ms  kernels  warm ms  import ms")
     for r in first:
@@ -177,8 +191,9 @@ def print_table(first: list[dict], hot: dict[str, dict], device: str) -> None:
             print(f"{r['row']:{width}}  failed (see above)")
             continue
         cold, warm = r["cold"], r["warm"]
+        kernels = "-" if r["op"] == "peer" else len(r["kernels"])  # ours: the cache's records
         print(
-            f"{r['row']:{width}}  {cold['first_ms']:7.1f}  {len(r['kernels']):7d}  "
+            f"{r['row']:{width}}  {cold['first_ms']:7.1f}  {kernels:>7}  "
             f"{warm['first_ms']:7.2f}  {warm['import_ms']:9.1f}"
         )
     head = f"{'hot call (cached, GPU idle)':{width}}  host us  eager us  x empty (bar {BAR})"
@@ -209,6 +224,9 @@ def dry_run() -> None:
     print("first calls (cold: empty cache, then warm: that cache), one new process each:")
     for row in FIRST_CALLS:
         print(f"  {ROWS[row].op:5s} {row}")
+    print("with --peers DG_DIR, the peers' first calls too, each with its own cache empty:")
+    for row in PEER_ROWS:
+        print(f"  {row}")
     print(f"hot host cost, {ROUNDS} alternating rounds, beside {EMPTY_OP!r}:")
     for name, row in ROWS.items():
         print(f"  {row.op:5s} {name}" + (f" (outputs {row.outputs})" if row.outputs else ""))
@@ -221,6 +239,13 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="list what it would measure")
     parser.add_argument("--commit", default=None, help="what the JSON records (default: git's)")
     parser.add_argument("--profile", metavar="DIR", help="cProfile each warm first call into DIR")
+    parser.add_argument(
+        "--peers",
+        metavar="DG_DIR",
+        help="also the peers' first calls (DeepGEMM from DG_DIR, the seed's Triton QSA, "
+        "torch.compile of the pack's torch path), each with its own compile cache empty",
+    )
+    parser.add_argument("--seed-triton", default=str(SEED_TRITON), help="the seed's module")
     parser.add_argument("--child", metavar="ROW", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -231,7 +256,11 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         parser.error("no GPU: --dry-run lists what would be measured")
-    first = first_calls(FIRST_CALLS, args.profile)
+    rows = FIRST_CALLS
+    if args.peers:
+        os.environ.update(FIJ_BENCH_DEEPGEMM=args.peers, FIJ_BENCH_SEED_TRITON=args.seed_triton)
+        rows += tuple(PEER_ROWS)
+    first = first_calls(rows, args.profile)
     hot = hot_rows(args.calls)
     device = torch.cuda.get_device_name()
     print_table(first, hot, device)

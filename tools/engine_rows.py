@@ -130,3 +130,55 @@ ROWS: dict[str, Row] = {
 def calls(device: str) -> dict[str, Call]:
     """Row name -> one eager call, every row's inputs built on ``device``."""
     return {name: row.make(device) for name, row in ROWS.items()}
+
+
+# The peers' first calls, timed by tools/bench_engine.py --peers as ours are (a new process,
+# the peer's own compile cache empty, then warm): the figure a cold first call is read
+# against. Each imports its peer in ``make``; a peer that does not import is skipped there.
+# DeepGEMM's call includes its metadata kernel (a first use needs both); ours computes its
+# schedule in the kernel. The peers' caches: tools/bench_engine.py's PEER_CACHE_ENV.
+def _peer_deepgemm(device: str) -> Call:
+    import deep_gemm as dg  # on sys.path from $FIJ_BENCH_DEEPGEMM (bench_engine.py --peers)
+
+    q, kv, w, table, lens = mqa_inputs(1, 8192, device)
+    lens2d = lens.view(1, 1)
+
+    def call() -> object:
+        sched = dg.get_paged_mqa_logits_metadata(lens2d, 64, dg.get_num_sms())
+        return dg.fp8_fp4_paged_mqa_logits(
+            (q, None), kv, w, lens2d, table, sched, 8192, False, torch.float32
+        )
+
+    return call
+
+
+def _peer_seed_qsa(device: str) -> Call:
+    import importlib.util
+    import os
+
+    path = os.environ["FIJ_BENCH_SEED_TRITON"]
+    spec = importlib.util.spec_from_file_location("qsa_seed_triton", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no module at {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = qsa_inputs(4, device)
+    return lambda: module.qsa_sparse_paged_decode(*args)
+
+
+def _peer_compiled_pack(device: str) -> Call:
+    from flashinfer_jit.mla_kv_pack.reference import pack_torch
+
+    kv = torch.zeros(1, 16, 256, dtype=torch.bfloat16, device=device)
+    pe = torch.zeros(1, 576, dtype=torch.bfloat16, device=device)[:, 512:]
+    key = torch.empty(1, 16, 192, dtype=torch.float8_e4m3fn, device=device)
+    value = torch.empty(1, 16, 128, dtype=torch.float8_e4m3fn, device=device)
+    packed = torch.compile(pack_torch)
+    return lambda: packed(kv, pe, key, value, 128)
+
+
+PEER_ROWS: dict[str, Row] = {
+    "peer DeepGEMM mqa B=1 L=8192 (+ metadata)": Row("peer", "allocated", _peer_deepgemm),
+    "peer seed Triton qsa decode rows=4": Row("peer", "", _peer_seed_qsa),
+    "peer torch.compile concat 1x16": Row("peer", "given", _peer_compiled_pack),
+}

@@ -1,8 +1,9 @@
 """The serving measure of concat_mla_kv_quant_fp8 (``tools/bench_mla_kv_pack.py``'s default):
 µs per call as a serving step sees it, the measure ``auto``'s sm_90 rule is derived from.
 
-Per (tokens, heads) point, three CUDA graphs are captured: ``specialized`` and ``cake``
-(each its own planned plan, through the op) and ``auto``. Each graph holds ``calls``
+Per (tokens, heads) point, four CUDA graphs are captured: ``specialized`` and ``cake``
+(each its own planned plan, through the op), ``auto``, and the peer, ``torch.compile`` of
+the bit-exact torch path (skipped where it does not compile). Each graph holds ``calls``
 back-to-back calls cycling over ``sets`` independent input/output sets; per call = one
 replay's CUDA-event time / ``calls``, so each kernel's own time plus the gap between kernels.
 Cold inputs, as in a serving step where the layers between two packs stream far more
@@ -11,13 +12,14 @@ so a set comes back only after 4x L2 of other traffic. A graph holds at most
 ``MAX_CALLS`` calls, which caps the cycle of calls under ~240 KB (there the sets in one
 replay are all distinct); a read of 4x L2 of other memory before every replay (outside
 the timed span) evicts them, so there too every call reads inputs that are not in L2.
-The three graphs are replayed in interleaved rounds (a clock or thermal drift hits all
-three) and the median round is kept. Every backend is first checked bit-exact against the
-torch path. Byte floor = bytes read + written / 4.24 TB/s.
+The graphs are replayed in interleaved rounds (a clock or thermal drift hits all of them)
+and the median round is kept. Every backend and the peer is first checked bit-exact
+against the torch path. Byte floor = bytes read + written / 4.24 TB/s.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -42,6 +44,9 @@ ROUNDS = 15
 MEM_CAP = 32 << 30  # input/output sets of one point, bytes
 MAX_POINT_BYTES = 4 << 30  # skip points whose traffic exceeds ~4 GB
 NAMES = ("specialized", "cake", "auto")
+# The peer: torch.compile of the bit-exact torch path (dynamic shapes, so one compile serves
+# the sweep), checked and timed as the backends are; skipped where it does not compile.
+PEER = "torch.compile"
 MEASURE = "per call in a CUDA graph, input sets cycled past 4x L2 (evicted before each replay)"
 
 
@@ -81,8 +86,17 @@ def make_sets(tokens: int, heads: int, count: int) -> list[tuple]:
 
 
 def backend_fn(name: str) -> Callable:
-    """One call of the op with ``backend=name``: its own plan, as a caller gets it."""
+    """One call of the op with ``backend=name``: its own plan, as a caller gets it; PEER:
+    the compiled torch path (one compiled function per process)."""
+    if name == PEER:
+        return _compiled_pack()
     return lambda kv, pe, k, v: mkp.concat_mla_kv_quant_fp8(kv, pe, k, v, backend=name)
+
+
+@functools.cache
+def _compiled_pack() -> Callable:
+    packed = torch.compile(pack_torch, dynamic=True)
+    return lambda kv, pe, k, v: packed(kv, pe, k, v, 128)
 
 
 def check_exact(fn: Callable, s: tuple, ref: tuple) -> None:
@@ -133,7 +147,7 @@ def time_graphs(graphs: dict, calls: int, flush: torch.Tensor) -> dict[str, list
     return out
 
 
-# size: one point: sets, the reference, three backends checked, captured and timed
+# size: one point: sets, the reference, three backends and the peer checked, captured and timed
 def run_point(tokens: int, heads: int, flush: torch.Tensor) -> dict:
     nbytes = point_bytes(tokens, heads)
     nsets, calls = shape_of(tokens, heads, flush.numel() * flush.element_size())
@@ -160,8 +174,8 @@ def run_point(tokens: int, heads: int, flush: torch.Tensor) -> dict:
     ref = (torch.empty_like(key), torch.empty_like(value))
     pack_torch(kv, pe, ref[0], ref[1], 128)
     graphs = {}
-    for name in NAMES:
-        try:  # one broken backend must not hide the others
+    for name in (*NAMES, PEER):
+        try:  # one broken backend (or the peer) must not hide the others
             check_exact(backend_fn(name), sets[0], ref)
             graphs[name] = capture(backend_fn(name), sets, calls)
         except Exception as exc:
@@ -188,11 +202,14 @@ def finish(row: dict) -> dict:
             row["auto_ratio"] = us["auto"] / best
         if row["auto_pick"] in us:  # the pick's own graph: what the rule is checked on
             row["pick_ratio"] = us[row["auto_pick"]] / best
+    if "auto" in us and PEER in us:
+        row["peer_ratio"] = us["auto"] / us[PEER]
     return row
 
 
 HEADER = ("tokens", "heads", "floor", "spec (hpw)", "cake (G)", "faster", "auto (pick)",
-          "auto/faster", "pick/faster", "% floor", "sets x calls", "cycle MB", "spread", "errors")  # fmt: skip
+          "auto/faster", "pick/faster", "% floor", PEER, "auto/peer", "sets x calls",
+          "cycle MB", "spread", "errors")  # fmt: skip
 
 
 def cells(row: dict) -> list[str]:
@@ -209,6 +226,8 @@ def cells(row: dict) -> list[str]:
         f"{row.get('auto_ratio', nan):.3f}",
         f"{row.get('pick_ratio', nan):.3f}{flag}",
         f"{row.get('pct_floor', nan):.0f}%",
+        f"{us.get(PEER, nan):.2f}",
+        f"{row.get('peer_ratio', nan):.3f}",
         f"{row['sets']} x {row['calls']}",
         f"{row['cycle_bytes'] / 1e6:.0f}",
         f"{100 * max(row['spread'].values(), default=nan):.1f}%",
@@ -222,7 +241,8 @@ def print_table(rows: list[dict]) -> None:
     print(f"\nµs per call, {MEASURE}; median of {ROUNDS} interleaved rounds;")
     print("spec/cake: each backend's planned plan (hpw: heads per warp, G: head group);")
     print("pick/faster: auto's pick timed in its backend's graph ('!': over 3 %);")
-    print("% floor: of the faster backend; spread: the widest (max - min) / median of the three.")
+    print(f"% floor: of the faster backend; {PEER}: the peer, auto/peer: ours over it;")
+    print("spread: the widest (max - min) / median of the graphs.")
     for i, c in enumerate(table):
         print(" | ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)))
         if i == 0:

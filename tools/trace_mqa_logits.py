@@ -73,6 +73,32 @@ PATCHES = [
         f"      if (tid == 0 && o < {TILES}) FIJ_TRACE(17 + 48 * wg + 2 * o, fij_ns());\n    }}\n  }}\n"
         "  if (tid == 0) { FIJ_TRACE(8 + wg, fij_ns()); FIJ_TRACE(12 + wg, fij_clk()); }\n",
     ),
+    # The lean loop: its tiles counted in arrival order (fij_a) and epilogue order (fij_d);
+    # a redone tile is one arrival and one epilogue, a padding tile an arrival only.
+    (
+        "    const int wgu = __shfl_sync(0xffffffffu, wg, 0), lenu = __shfl_sync(0xffffffffu, len, 0);\n",
+        "    const int wgu = __shfl_sync(0xffffffffu, wg, 0), lenu = __shfl_sync(0xffffffffu, len, 0);\n"
+        "    int fij_a = 0, fij_d = 0;\n"
+        f"    auto fij_arrived = [&] {{ if (tid == 0 && fij_a < {TILES}) FIJ_TRACE(16 + 48 * wg + 2 * fij_a, fij_ns()); ++fij_a; }};\n",
+    ),
+    (
+        "      rows_out.put(res, m.y, m.z, tig);\n",
+        "      rows_out.put(res, m.y, m.z, tig);\n"
+        f"      if (tid == 0 && fij_d < {TILES}) FIJ_TRACE(17 + 48 * wg + 2 * fij_d, fij_ns());\n"
+        "      ++fij_d;\n",
+    ),
+    (
+        "      mbar_wait(full0 + 8 * s, c >= STAGES ? 1 : 0);\n",
+        "      mbar_wait(full0 + 8 * s, c >= STAGES ? 1 : 0);\n      fij_arrived();\n",
+    ),
+    (
+        "      mbar_wait(full0 + 8 * s, parity);\n",
+        "      mbar_wait(full0 + 8 * s, parity);\n      fij_arrived();\n",
+    ),
+    (
+        "      mbar_wait(full0 + 8 * (s + 1), parity);\n",
+        "      mbar_wait(full0 + 8 * (s + 1), parity);\n      fij_arrived();\n",
+    ),
 ]
 
 
@@ -143,6 +169,7 @@ def trace_call(
     print(f"   to the first tile              {_spread(us((first - tr[:, 3])[busy]))}")
     print(f"   first tile to end              {_spread(us((end - first)[busy]))}")
     print(f"   end, from the first CTA's      {_spread(us(end - t0))}")
+    print(f"   end, from the last wait's end  {_spread(us(end - tr[:, 2].max()))}")
     print(f"   tiles                          {_spread(tr[:, 4].tolist())}")
     print(f"   SM clock, GHz                  {_spread(ghz.tolist())}")
     # Traced tile arrivals over time, from the last grid-dependency wait's end: how fast the
