@@ -44,9 +44,12 @@ ROUNDS = 15
 MEM_CAP = 32 << 30  # input/output sets of one point, bytes
 MAX_POINT_BYTES = 4 << 30  # skip points whose traffic exceeds ~4 GB
 NAMES = ("specialized", "cake", "auto")
-# The peer: torch.compile of the bit-exact torch path (dynamic shapes, so one compile serves
-# the sweep), checked and timed as the backends are; skipped where it does not compile.
+# The peer: torch.compile of the bit-exact torch path, checked and timed as the backends
+# are; skipped where it does not compile. Static shapes, one compile per point: session
+# 21's dynamic-shape compile ran 2.3x slower than a static one at the largest rows (2777
+# against FACTS.md's 1189-1192 µs), which would flatter us.
 PEER = "torch.compile"
+PEER_RECOMPILES = 1024  # dynamo's per-function limit (default 8): one compile per point
 MEASURE = "per call in a CUDA graph, input sets cycled past 4x L2 (evicted before each replay)"
 
 
@@ -95,7 +98,11 @@ def backend_fn(name: str) -> Callable:
 
 @functools.cache
 def _compiled_pack() -> Callable:
-    packed = torch.compile(pack_torch, dynamic=True)
+    import torch._dynamo
+
+    # Past the limit dynamo would run the function eagerly: the column would time torch.
+    torch._dynamo.config.recompile_limit = PEER_RECOMPILES
+    packed = torch.compile(pack_torch, dynamic=False)
     return lambda kv, pe, k, v: packed(kv, pe, k, v, 128)
 
 

@@ -83,8 +83,18 @@ SWEEPS: dict[str, list] = {
 # weights' column groups in registers this way, round 19 the Q prefetch only where a CTA's
 # run crosses a request and the schedule derived by warp 0 alone, both since shipped:
 # docs/perf-log/mqa_logits.md).
-VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {}
-VARIANT_ROWS = ("skew32", "b32", "b1", "skew128n2", "b256", "b256n2", "d64n2", "b1024")
+# "meta-first": the lean loop reads a landed tile's descriptor before issuing its MMA, not
+# after: session 21's ncu at d64n2 had 9 % of our warp-stall samples on the descriptor's
+# shared load -> broadcast -> compare chain after the MMA (short scoreboard).
+VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "meta-first": (
+        (
+            "      unsigned acc[ACC_WORDS];\n      mma(acc, da);\n      int4 m = meta[s];\n",
+            "      int4 m = meta[s];\n      unsigned acc[ACC_WORDS];\n      mma(acc, da);\n",
+        ),
+    ),
+}
+VARIANT_ROWS = ("skew32", "b32", "b1", "skew128n2", "b256", "b256n2", "d64n2", "b1024", "d32n2")
 # Rows whose variants are also timed in a forced config (column "<variant>-<config>"); round
 # 16 timed the weights' variants at d64n2 / d32n2 in their one-Q-buffer configs this way.
 VARIANT_CONFIGS: dict[str, TmaConfig] = {}
