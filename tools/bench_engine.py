@@ -12,7 +12,8 @@ load). The figure is the call and a synchronize, in ms; importing the package is
 apart ("import ms"). The kernels a cold call compiled are read back from the cache's
 records (count, and the NVRTC seconds of each, summed). With --peers, each peer's first
 call (tools/engine_rows.py's PEER_ROWS) is timed the same way, its own compile cache empty
-and then warm: what a cold first call of ours is read against.
+and then warm: what a cold first call of ours is read against; and each peer's hot call
+(PEER_HOT_ROWS) alternates with ours, read against the same empty op.
 
 Hot host cost, every row of tools/engine_rows.py in one process, the rows alternating
 round by round: each call on an idle GPU (synchronized before it); "host us" the median
@@ -42,7 +43,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from bench_util import warm_gpu  # noqa: E402
-from engine_rows import EMPTY_ALLOC_OP, EMPTY_OP, PEER_ROWS, ROWS, calls  # noqa: E402
+from engine_rows import (  # noqa: E402
+    EMPTY_ALLOC_OP,
+    EMPTY_OP,
+    PEER_HOT_ROWS,
+    PEER_ROWS,
+    ROWS,
+    calls,
+)
 
 # The row whose first call stands for each op's (QSA: one row per set of kernels compiled).
 FIRST_CALLS = (
@@ -56,7 +64,7 @@ ROUNDS = 30  # hot rows alternate this many times
 CHILD_TIMEOUT_S = 300
 # A peer's compile cache, pointed into the row's temporary cache folder (cold, then warm).
 PEER_CACHE_ENV = ("DG_JIT_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
-ALL_ROWS = {**ROWS, **PEER_ROWS}
+ALL_ROWS = {**ROWS, **PEER_ROWS, **PEER_HOT_ROWS}
 # The seed's Triton QSA (an anchor: imported, never copied), carried to the GPU machine in
 # .device/anchors or beside the checkout (tools/qsa_dispatch_sweep.py looks the same way).
 SEED_TRITON = ROOT / ".device/anchors/qsa_seed_triton.py"
@@ -144,9 +152,15 @@ def first_calls(rows: tuple[str, ...], profile: str | None = None) -> list[dict]
     return results
 
 
-def hot_rows(calls_per_row: int) -> dict[str, dict]:
-    """Median host and eager us per call of every row, the rows alternating."""
+def hot_rows(calls_per_row: int, peers: bool = False) -> dict[str, dict]:
+    """Median host and eager us per call of every row, the rows alternating; with ``peers``
+    the peers' hot rows too (a peer that does not import is left out, said once)."""
     table = calls("cuda")
+    for name, row in PEER_HOT_ROWS.items() if peers else ():
+        try:
+            table[name] = row.make("cuda")
+        except Exception as exc:  # noqa: BLE001 (the peer's column is skipped)
+            print(f"{name}: skipped ({type(exc).__name__}: {exc})", flush=True)
     for fn in table.values():  # compiled, loaded and replayable before anything is timed
         for _ in range(50):
             fn()
@@ -170,8 +184,8 @@ def hot_rows(calls_per_row: int) -> dict[str, dict]:
     empty, empty_alloc = statistics.median(host[EMPTY_OP]), statistics.median(host[EMPTY_ALLOC_OP])
     return {
         name: {
-            "op": ROWS[name].op,
-            "outputs": ROWS[name].outputs,
+            "op": ALL_ROWS[name].op,
+            "outputs": ALL_ROWS[name].outputs,
             "host_us": statistics.median(host[name]),
             "eager_us": statistics.median(eager[name]),
             "x_empty": statistics.median(host[name]) / empty,
@@ -199,7 +213,9 @@ def print_table(first: list[dict], hot: dict[str, dict], device: str) -> None:
     head = f"{'hot call (cached, GPU idle)':{width}}  host us  eager us  x empty (bar {BAR})"
     print(f"\n{head}  x allocating empty")
     for name, h in hot.items():
-        mark = "" if h["op"] == "torch" else ("  ok  " if h["x_empty"] <= BAR else "  over")
+        mark = (
+            "" if h["op"] in ("torch", "peer") else ("  ok  " if h["x_empty"] <= BAR else "  over")
+        )
         alloc = f"  {h['x_empty_alloc']:7.2f}" if h["outputs"] == "allocated" else ""
         print(
             f"{name:{width}}  {h['host_us']:7.1f}  {h['eager_us']:8.1f}  {h['x_empty']:7.2f}"
@@ -226,6 +242,9 @@ def dry_run() -> None:
         print(f"  {ROWS[row].op:5s} {row}")
     print("with --peers DG_DIR, the peers' first calls too, each with its own cache empty:")
     for row in PEER_ROWS:
+        print(f"  {row}")
+    print("and their hot calls beside ours:")
+    for row in PEER_HOT_ROWS:
         print(f"  {row}")
     print(f"hot host cost, {ROUNDS} alternating rounds, beside {EMPTY_OP!r}:")
     for name, row in ROWS.items():
@@ -261,7 +280,7 @@ def main() -> None:
         os.environ.update(FIJ_BENCH_DEEPGEMM=args.peers, FIJ_BENCH_SEED_TRITON=args.seed_triton)
         rows += tuple(PEER_ROWS)
     first = first_calls(rows, args.profile)
-    hot = hot_rows(args.calls)
+    hot = hot_rows(args.calls, peers=bool(args.peers))
     device = torch.cuda.get_device_name()
     print_table(first, hot, device)
     if args.json:

@@ -62,13 +62,30 @@ def _mqa(length: int, given: bool) -> Callable[[str], Call]:
     return make
 
 
+def _deep_gemm_call(dg, device: str, metadata_in_call: bool = False) -> Call:
+    """``dg`` (flashinfer_jit.deep_gemm or DeepGEMM itself) called as vLLM calls it at B=1
+    L=8192: 2-D lens, the metadata computed once (or, ``metadata_in_call``, in each call)."""
+    q, kv, w, table, lens = mqa_inputs(1, 8192, device)
+    lens2d = lens.view(1, 1)  # [B, next_n], as vLLM passes them
+
+    def metadata() -> torch.Tensor:
+        return dg.get_paged_mqa_logits_metadata(lens2d, 64, dg.get_num_sms())
+
+    given = None if metadata_in_call else metadata()
+
+    def call() -> object:
+        schedule = metadata() if given is None else given
+        return dg.fp8_fp4_paged_mqa_logits(
+            (q, None), kv, w, lens2d, table, schedule, 8192, False, torch.float32
+        )
+
+    return call
+
+
 def _deep_gemm(device: str) -> Call:
     import flashinfer_jit.deep_gemm as deep_gemm
 
-    q, kv, w, table, lens = mqa_inputs(1, 8192, device)
-    lens2d = lens.view(1, 1)  # [B, next_n], as vLLM passes them
-    schedule = deep_gemm.get_paged_mqa_logits_metadata(lens2d, 64, deep_gemm.get_num_sms())
-    return lambda: deep_gemm.fp8_paged_mqa_logits(q, kv, w, lens2d, table, schedule, 8192)
+    return _deep_gemm_call(deep_gemm, device)
 
 
 def _qsa(rows: int, entry: str) -> Callable[[str], Call]:
@@ -81,17 +98,21 @@ def _qsa(rows: int, entry: str) -> Callable[[str], Call]:
     return make
 
 
+def pack_inputs(device: str) -> tuple:
+    """(kv_nope, k_pe as a view of the latent rows as serving passes it, key, value), 1x16."""
+    kv = torch.zeros(1, 16, 256, dtype=torch.bfloat16, device=device)
+    pe = torch.zeros(1, 576, dtype=torch.bfloat16, device=device)[:, 512:]
+    key = torch.empty(1, 16, 192, dtype=torch.float8_e4m3fn, device=device)
+    value = torch.empty(1, 16, 128, dtype=torch.float8_e4m3fn, device=device)
+    return kv, pe, key, value
+
+
 def _pack(given: bool) -> Callable[[str], Call]:
     def make(device: str) -> Call:
         from flashinfer_jit.mla_kv_pack import concat_mla_kv_quant_fp8 as pack
 
-        kv = torch.zeros(1, 16, 256, dtype=torch.bfloat16, device=device)
-        pe = torch.zeros(1, 576, dtype=torch.bfloat16, device=device)[:, 512:]  # as serving
-        if not given:
-            return lambda: pack(kv, pe)
-        key = torch.empty(1, 16, 192, dtype=torch.float8_e4m3fn, device=device)
-        value = torch.empty(1, 16, 128, dtype=torch.float8_e4m3fn, device=device)
-        return lambda: pack(kv, pe, key, value)
+        kv, pe, key, value = pack_inputs(device)
+        return (lambda: pack(kv, pe, key, value)) if given else (lambda: pack(kv, pe))
 
     return make
 
@@ -114,7 +135,7 @@ ROWS: dict[str, Row] = {
     "mqa B=1 L=8192 out=None": Row("mqa", "allocated", _mqa(8192, False)),
     "mqa B=1 L=8192 out=given": Row("mqa", "given", _mqa(8192, True)),
     "mqa B=1 L=8000 out=None (a view)": Row("mqa", "allocated", _mqa(8000, False)),
-    "mqa B=1 via deep_gemm, 2-D lens": Row("mqa", "allocated", _deep_gemm),
+    "mqa B=1 via deep_gemm (fp8_fp4 entry), 2-D lens": Row("mqa", "allocated", _deep_gemm),
     "qsa attention rows=4 (cluster)": Row("qsa", "", _qsa(4, "qsa_sparse_paged_attention")),
     "qsa attention rows=512 (slots+1 pass)": Row(
         "qsa", "", _qsa(512, "qsa_sparse_paged_attention")
@@ -127,9 +148,9 @@ ROWS: dict[str, Row] = {
 }
 
 
-def calls(device: str) -> dict[str, Call]:
+def calls(device: str, rows: dict[str, Row] = ROWS) -> dict[str, Call]:
     """Row name -> one eager call, every row's inputs built on ``device``."""
-    return {name: row.make(device) for name, row in ROWS.items()}
+    return {name: row.make(device) for name, row in rows.items()}
 
 
 # The peers' first calls, timed by tools/bench_engine.py --peers as ours are (a new process,
@@ -140,16 +161,15 @@ def calls(device: str) -> dict[str, Call]:
 def _peer_deepgemm(device: str) -> Call:
     import deep_gemm as dg  # on sys.path from $FIJ_BENCH_DEEPGEMM (bench_engine.py --peers)
 
-    q, kv, w, table, lens = mqa_inputs(1, 8192, device)
-    lens2d = lens.view(1, 1)
+    return _deep_gemm_call(dg, device, metadata_in_call=True)
 
-    def call() -> object:
-        sched = dg.get_paged_mqa_logits_metadata(lens2d, 64, dg.get_num_sms())
-        return dg.fp8_fp4_paged_mqa_logits(
-            (q, None), kv, w, lens2d, table, sched, 8192, False, torch.float32
-        )
 
-    return call
+def _peer_deepgemm_hot(device: str) -> Call:
+    """DeepGEMM's call with its metadata computed once (a serving step reuses it across
+    layers): the hot row read against ours."""
+    import deep_gemm as dg
+
+    return _deep_gemm_call(dg, device)
 
 
 def _peer_seed_qsa(device: str) -> Call:
@@ -169,10 +189,7 @@ def _peer_seed_qsa(device: str) -> Call:
 def _peer_compiled_pack(device: str) -> Call:
     from flashinfer_jit.mla_kv_pack.reference import pack_torch
 
-    kv = torch.zeros(1, 16, 256, dtype=torch.bfloat16, device=device)
-    pe = torch.zeros(1, 576, dtype=torch.bfloat16, device=device)[:, 512:]
-    key = torch.empty(1, 16, 192, dtype=torch.float8_e4m3fn, device=device)
-    value = torch.empty(1, 16, 128, dtype=torch.float8_e4m3fn, device=device)
+    kv, pe, key, value = pack_inputs(device)
     packed = torch.compile(pack_torch)
     return lambda: packed(kv, pe, key, value, 128)
 
@@ -181,4 +198,11 @@ PEER_ROWS: dict[str, Row] = {
     "peer DeepGEMM mqa B=1 L=8192 (+ metadata)": Row("peer", "allocated", _peer_deepgemm),
     "peer seed Triton qsa decode rows=4": Row("peer", "", _peer_seed_qsa),
     "peer torch.compile concat 1x16": Row("peer", "given", _peer_compiled_pack),
+}
+# The peers' hot calls (bench_engine.py --peers): each beside ours and the empty op, as a
+# measure of what issue 21's 1.2x bar asks of a library on this host.
+PEER_HOT_ROWS: dict[str, Row] = {
+    "peer DeepGEMM mqa B=1 (metadata given)": Row("peer", "allocated", _peer_deepgemm_hot),
+    "peer seed Triton qsa decode rows=4": PEER_ROWS["peer seed Triton qsa decode rows=4"],
+    "peer torch.compile concat 1x16": PEER_ROWS["peer torch.compile concat 1x16"],
 }
