@@ -60,6 +60,13 @@ T = TmaConfig
 EVICT = ("evict", MqaLogitsOptions(kv_evict_first=True))  # the dispatcher's config, KV evict-first
 NO_EVICT = ("no-evict", MqaLogitsOptions(kv_evict_first=False))
 NO_PDL = ("no-pdl", MqaLogitsOptions(pdl=False))
+# Three consumer warpgroups at 160 registers (every weight in registers, room for the lane
+# indices) against the dispatcher's four at 112, at next_n=2 head_dim 64 and 32: session 21's
+# ncu had d64n2 issue-bound on per-tile integer work under the 112-register cap.
+WIDE = {
+    "d64n2": [("3x24-r160", MqaLogitsOptions(config=T(3, 24, 4, 2, 1, 0, 160)))],
+    "d32n2": [("3x36-r160", MqaLogitsOptions(config=T(3, 36, 4, 2, 1, 0, 160)))],
+}
 SWEEPS: dict[str, list] = {
     # The KV stream's L2 policy against the dispatcher's (tma.kv_evict_first: evict-first for
     # small calls, next_n=1 calls of 256 requests or more and next_n=2-3 calls of 128 or more
@@ -73,7 +80,8 @@ SWEEPS: dict[str, list] = {
                ("small-evict", MqaLogitsOptions(config=T(2, 6, 2, 2, 1), kv_evict_first=True)), NO_PDL],
     "b32": [NO_EVICT, NO_PDL],
     "b1": [NO_PDL],
-    **{row.name: [NO_EVICT if kv_evict_first(0, row.batch, (row.next_n, row.heads, row.dim)) else EVICT]
+    **{row.name: [NO_EVICT if kv_evict_first(0, row.batch, (row.next_n, row.heads, row.dim)) else EVICT,
+                  *WIDE.get(row.name, ())]
        for row in ROWS if row.batch >= 64},
 }  # fmt: skip
 
