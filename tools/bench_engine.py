@@ -265,6 +265,7 @@ def main() -> None:
         "torch.compile of the pack's torch path), each with its own compile cache empty",
     )
     parser.add_argument("--seed-triton", default=str(SEED_TRITON), help="the seed's module")
+    parser.add_argument("--hot-only", action="store_true", help="no first calls: the hot rows")
     parser.add_argument("--child", metavar="ROW", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -276,10 +277,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         parser.error("no GPU: --dry-run lists what would be measured")
     rows = FIRST_CALLS
-    if args.peers:
+    if args.peers:  # the children find the peers through the environment, the hot rows here
         os.environ.update(FIJ_BENCH_DEEPGEMM=args.peers, FIJ_BENCH_SEED_TRITON=args.seed_triton)
+        sys.path.insert(0, args.peers)
         rows += tuple(PEER_ROWS)
-    first = first_calls(rows, args.profile)
+    first = [] if args.hot_only else first_calls(rows, args.profile)
     hot = hot_rows(args.calls, peers=bool(args.peers))
     device = torch.cuda.get_device_name()
     print_table(first, hot, device)

@@ -268,9 +268,18 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
       const int s = c >= STAGES ? c - STAGES : c;
       const unsigned da = a_lo0 + s * (L::kVals >> 4);
       mbar_wait(full0 + 8 * s, c >= STAGES ? 1 : 0);
+      // The descriptor's shared load -> broadcast -> compare chain lands between the
+      // tile's wgmmas, and the warp's in-order issue holds the rest of the MMA behind it
+      // (ncu: 9 % of the stall samples at d64n2, 4.6 % at next_n=3). Loading it before the
+      // MMA wins at head_dim <= 64 (d64n2 -2.3 %, d32n2 -4.5 %, A/B on the H200) and in the
+      // three-warpgroup configs of next_n 3-4 (-3.5 % / -4.5 %); at next_n <= 2, head_dim
+      // 128 (four warpgroups hide the chain) it cost b256n2 1.5-2.4 % (MQA round 22).
+      constexpr bool META_FIRST = DIM <= 64 || NEXT_N >= 3;
+      int4 m;
+      if constexpr (META_FIRST) m = meta[s];
       unsigned acc[ACC_WORDS];
       mma(acc, da);
-      int4 m = meta[s];
+      if constexpr (!META_FIRST) m = meta[s];
       m.x = __shfl_sync(0xffffffffu, m.x, 0);
       if (m.x != q_b) {  // another request, or padding: drain, switch, redo in this branch
         tma_mma_wait<0, 0, ACC_WORDS>(acc);

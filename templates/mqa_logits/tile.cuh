@@ -205,7 +205,7 @@ __device__ __forceinline__ void quad_reduce_scatter(const T (&v)[V], T (&res)[(V
 // The logits kernels' flags argument (the host's mqa_logits/ring.py logits_flags): bit 0 the
 // KV stream's evict-first L2 policy, bit 1 bfloat16 rounding of 16-bit logits. A float32
 // specialization is never launched with bit 1, so it reads the word whole as before bit 1
-// existed: its code is what it was.
+// existed (its consumer loop's SASS is unchanged; the producer's policy test lost a compare).
 template <typename OutT>
 __device__ __forceinline__ bool kv_evict_first(int flags) {
   return sizeof(OutT) == 2 ? (flags & 1) != 0 : flags != 0;

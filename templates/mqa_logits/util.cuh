@@ -112,16 +112,22 @@ __device__ __forceinline__ int warp_sum(int v) {
   return v;
 }
 
+// Inclusive prefix of `v` over the warp.
+__device__ __forceinline__ int warp_inclusive_scan(int v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int n = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += n;
+  }
+  return v;
+}
+
 // Exclusive prefix of `v` over the block (THREADS threads) and the block total.
 template <int THREADS>
 __device__ __forceinline__ int block_exclusive_scan(int v, int* red, int& total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int inc = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int n = __shfl_up_sync(0xffffffffu, inc, o);
-    if (lane >= o) inc += n;
-  }
+  const int inc = warp_inclusive_scan(v);
   if (lane == 31) red[warp] = inc;
   __syncthreads();
   int before = 0, all = 0;
@@ -178,62 +184,52 @@ __device__ __forceinline__ int split_point(int c, int ctas, int total) {
 // kOnePassPerThread * THREADS requests take one pass (below); more take two chunked ones.
 constexpr int kOnePassPerThread = 8;
 
+// One pass over the requests by threads [0, SCANNERS) (the block, or warp 0 alone with
+// SCANNERS 32): each takes k consecutive requests, all k loads in flight at once, and one
+// scan of their sums gives the total and each request's first tile. The loads sit on every
+// CTA's critical path: one round trip, where the chunked passes took two per THREADS
+// requests (B=1024: ~3 us of a 72 us call).
+template <int SCANNERS, int THREADS>
+__device__ __forceinline__ void one_pass_tiles(const int* __restrict__ seq_lens, long long sl_stride, int batch,
+                                               int* red, int* sched) {
+  const int k = (batch + SCANNERS - 1) / SCANNERS, b0 = (int)threadIdx.x * k;
+  int n[kOnePassPerThread], sum = 0;
+#pragma unroll
+  for (int i = 0; i < kOnePassPerThread; ++i) {
+    n[i] = i < k && b0 + i < batch ? tiles_of(seq_lens[(b0 + i) * sl_stride]) : 0;
+    sum += n[i];
+  }
+  if (threadIdx.x == 0) { sched[0] = batch; sched[1] = 0; }  // past the end, unless found
+  int total, start;
+  if constexpr (SCANNERS == 32) {
+    const int inc = warp_inclusive_scan(sum);
+    total = __shfl_sync(0xffffffffu, inc, 31);
+    start = inc - sum;
+    __syncwarp();  // lane 0's defaults before any lane's find
+  } else {
+    start = block_exclusive_scan<THREADS>(sum, red, total);  // (synchronizes the block)
+  }
+  const int x0 = split_point(blockIdx.x, gridDim.x, total), x1 = split_point(blockIdx.x + 1, gridDim.x, total);
+#pragma unroll
+  for (int i = 0; i < kOnePassPerThread; ++i) {
+    if (n[i] > 0 && start <= x0 && x0 < start + n[i]) { sched[0] = b0 + i; sched[1] = x0 - start; }
+    start += n[i];
+  }
+  if (threadIdx.x == 0) sched[2] = x1 - x0;
+}
+
 template <int THREADS, bool WARP = true>
 __device__ __forceinline__ void cta_tiles(const int* __restrict__ schedule, const int* __restrict__ seq_lens,
                                           long long sl_stride, int batch, int* red, int* sched) {
   const int lane = threadIdx.x & 31;
   if (WARP && schedule == nullptr && batch <= 32 * kOnePassPerThread) {
-    // Up to 256 requests: warp 0 alone, 8 a lane, one warp scan. The block-wide scan's two
-    // barriers held every CTA's first copy: B=1 L=8K 3.74 -> 3.53 us, B=32 11.71 -> 11.46,
-    // the skewed B=32 row 11.62 -> 11.25 (a given schedule: 3.23, 11.18, 11.21; H200, MQA
-    // round 19, variant "warpsched").
-    if (threadIdx.x < 32) {
-      const int k = (batch + 31) / 32, b0 = lane * k;
-      int n[kOnePassPerThread], sum = 0;
-#pragma unroll
-      for (int i = 0; i < kOnePassPerThread; ++i) {
-        n[i] = i < k && b0 + i < batch ? tiles_of(seq_lens[(b0 + i) * sl_stride]) : 0;
-        sum += n[i];
-      }
-      int inc = sum;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, inc, o);
-        if (lane >= o) inc += y;
-      }
-      const int total = __shfl_sync(0xffffffffu, inc, 31);
-      const int x0 = split_point(blockIdx.x, gridDim.x, total), x1 = split_point(blockIdx.x + 1, gridDim.x, total);
-      if (lane == 0) { sched[0] = batch; sched[1] = 0; sched[2] = x1 - x0; }  // past the end, unless found
-      __syncwarp();
-      int start = inc - sum;
-#pragma unroll
-      for (int i = 0; i < kOnePassPerThread; ++i) {
-        if (n[i] > 0 && start <= x0 && x0 < start + n[i]) { sched[0] = b0 + i; sched[1] = x0 - start; }
-        start += n[i];
-      }
-    }
+    // Up to 256 requests: warp 0 alone. The block-wide scan's two barriers held every CTA's
+    // first copy: B=1 L=8K 3.74 -> 3.53 us, B=32 11.71 -> 11.46, the skewed B=32 row 11.62
+    // -> 11.25 (a given schedule: 3.23, 11.18, 11.21; H200, MQA round 19, variant
+    // "warpsched").
+    if (threadIdx.x < 32) one_pass_tiles<32, THREADS>(seq_lens, sl_stride, batch, red, sched);
   } else if (schedule == nullptr && batch <= kOnePassPerThread * THREADS) {
-    // One pass: each thread takes k consecutive requests, all k loads in flight at once,
-    // and one scan of the threads' sums gives the total and each request's first tile.
-    // The loads sit on every CTA's critical path: one round trip, where the chunked
-    // passes took two per THREADS requests (B=1024: ~3 us of a 72 us call).
-    const int k = (batch + THREADS - 1) / THREADS, b0 = (int)threadIdx.x * k;
-    int n[kOnePassPerThread], sum = 0;
-#pragma unroll
-    for (int i = 0; i < kOnePassPerThread; ++i) {
-      n[i] = i < k && b0 + i < batch ? tiles_of(seq_lens[(b0 + i) * sl_stride]) : 0;
-      sum += n[i];
-    }
-    if (threadIdx.x == 0) { sched[0] = batch; sched[1] = 0; }  // past the end, unless found
-    int total;
-    int start = block_exclusive_scan<THREADS>(sum, red, total);  // (synchronizes the block)
-    const int x0 = split_point(blockIdx.x, gridDim.x, total), x1 = split_point(blockIdx.x + 1, gridDim.x, total);
-#pragma unroll
-    for (int i = 0; i < kOnePassPerThread; ++i) {
-      if (n[i] > 0 && start <= x0 && x0 < start + n[i]) { sched[0] = b0 + i; sched[1] = x0 - start; }
-      start += n[i];
-    }
-    if (threadIdx.x == 0) sched[2] = x1 - x0;
+    one_pass_tiles<THREADS, THREADS>(seq_lens, sl_stride, batch, red, sched);
   } else if (schedule == nullptr) {
     const int total = total_tiles<THREADS>(seq_lens, sl_stride, batch, red);
     const int x0 = split_point(blockIdx.x, gridDim.x, total);
