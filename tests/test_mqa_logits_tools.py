@@ -71,21 +71,26 @@ def test_probe_zero_is_the_shipped_kernel(tmp_path):
 
 def test_bench_variants_patch_the_shipped_kernel(tmp_path):
     """tools/bench_mqa_peer.py's VARIANTS patch anchors of the TMA template (each exactly
-    once): every variant compiles at next_n*heads = 128 with setmaxnreg, and differs from
-    the shipped kernel there (a variant that patches nothing times the shipped kernel)."""
+    once): every variant compiles in the setmaxnreg configs of next_n 2 (4 warpgroups at
+    112) and 3 (3 at 160), and differs from the shipped kernel in one of them (a variant
+    that patches nothing times the shipped kernel)."""
     bench = _tool("bench_mqa_peer")
     if not bench.VARIANTS:
         pytest.skip("no variants in tools/mqa_peer_rows.py to check")
     probe = _tool("mqa_logits_probe")
     f32 = torch.float32
-    params = (2, 64, 128, 64, f32, f32, f32, *tma_config(128, 0, 128, 2))
-    shipped = compile_cubin(render(tma_family.spec(params), BUILDER.template_root), "sm_90a")
-    base = _sass(shipped.cubin, tmp_path)[0]
-    for name, patches in bench.VARIANTS.items():
-        family = probe.variant(name, patches)
+    shapes = [(2, 64, 128, 64, f32, f32, f32, *tma_config(128, 0, 128, 2)),
+              (3, 64, 128, 64, f32, f32, f32, *tma_config(192, 0, 128, 3))]  # fmt: skip
+
+    def body(family, params) -> str:
         built = compile_cubin(render(family.spec(params), family.builder.template_root), "sm_90a")
         sass = _sass(built.cubin, tmp_path)[0]
-        assert sass[sass.index(".headerflags") :] != base[base.index(".headerflags") :], name
+        return sass[sass.index(".headerflags") :]
+
+    shipped = [body(tma_family, params) for params in shapes]
+    for name, patches in bench.VARIANTS.items():
+        family = probe.variant(name, patches)
+        assert [body(family, params) for params in shapes] != shipped, name
 
 
 def test_probes_refuse_the_lean_loop():
