@@ -49,8 +49,13 @@ def served(case: tuple) -> str | None:
     return None
 
 
-def shrink(case: tuple, batch_size: int = 3, avg_kv: int = 200) -> tuple:
-    """The case with a CPU-sized batch and lengths (everything else as generated)."""
+def shrink(case: tuple, batch_size: int = 16, avg_kv: int = 1024) -> tuple:
+    """The case with a CPU-sized batch and lengths (everything else as generated). Not
+    smaller: DeepGEMM's check (cosine-style diff against the unquantized reference under
+    1e-3) measures FP8 quantization noise, whose spread grows as the case shrinks. Cases 4
+    and 19, fresh inputs each run: at 3 x 200 the diff was 0.00066-0.00073 +- 0.00012-0.00015
+    (25 runs; a run of both failed 1 in 40 here, and once in CI); at 16 x 1024 0.00067-0.00071
+    +- 0.00006, at most 0.0008 (15 runs), ~2.4 s a case on this machine."""
     c = dict(zip(FIELDS, case, strict=True))
     c.update(batch_size=batch_size, avg_kv=avg_kv)
     return tuple(c[f] for f in FIELDS)
