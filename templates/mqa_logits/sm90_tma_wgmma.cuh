@@ -271,9 +271,10 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
       // The descriptor's shared load -> broadcast -> compare chain lands between the
       // tile's wgmmas, and the warp's in-order issue holds the rest of the MMA behind it
       // (ncu: 9 % of the stall samples at d64n2, 4.6 % at next_n=3). Loading it before the
-      // MMA wins at head_dim <= 64 (d64n2 -2.3 %, d32n2 -4.5 %, A/B on the H200) and in the
-      // three-warpgroup configs of next_n 3-4 (-3.5 % / -4.5 %); at next_n <= 2, head_dim
-      // 128 (four warpgroups hide the chain) it cost b256n2 1.5-2.4 % (MQA round 22).
+      // MMA wins at head_dim <= 64 (d64n2 -2.3 %, d32n2 -4.5 %, A/B on the H200) and is
+      // level to -1.2 % in the three-warpgroup configs of next_n 3-4 (A/B; -3.5 / -4.5 % in
+      // one process); at next_n <= 2, head_dim 128 (four warpgroups hide the chain) it cost
+      // b256n2 1.5-2.4 % (MQA round 22).
       constexpr bool META_FIRST = DIM <= 64 || NEXT_N >= 3;
       int4 m;
       if constexpr (META_FIRST) m = meta[s];
