@@ -46,6 +46,17 @@ __device__ __forceinline__ void grid_dependents_launch() {
 #endif
 }
 
+// Inclusive prefix of `v` over the warp (every lane active).
+__device__ __forceinline__ int warp_inclusive_scan(int v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int n = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += n;
+  }
+  return v;
+}
+
 // A read-once 16-byte load that skips L1: streaming inputs must not evict reused data.
 __device__ __forceinline__ uint4 load_stream_16(const void* ptr) {
   uint4 v;

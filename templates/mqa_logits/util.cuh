@@ -112,22 +112,11 @@ __device__ __forceinline__ int warp_sum(int v) {
   return v;
 }
 
-// Inclusive prefix of `v` over the warp.
-__device__ __forceinline__ int warp_inclusive_scan(int v) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int n = __shfl_up_sync(0xffffffffu, v, o);
-    if (lane >= o) v += n;
-  }
-  return v;
-}
-
 // Exclusive prefix of `v` over the block (THREADS threads) and the block total.
 template <int THREADS>
 __device__ __forceinline__ int block_exclusive_scan(int v, int* red, int& total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int inc = warp_inclusive_scan(v);
+  const int inc = fij::warp_inclusive_scan(v);
   if (lane == 31) red[warp] = inc;
   __syncthreads();
   int before = 0, all = 0;
@@ -202,7 +191,7 @@ __device__ __forceinline__ void one_pass_tiles(const int* __restrict__ seq_lens,
   if (threadIdx.x == 0) { sched[0] = batch; sched[1] = 0; }  // past the end, unless found
   int total, start;
   if constexpr (SCANNERS == 32) {
-    const int inc = warp_inclusive_scan(sum);
+    const int inc = fij::warp_inclusive_scan(sum);
     total = __shfl_sync(0xffffffffu, inc, 31);
     start = inc - sum;
     __syncwarp();  // lane 0's defaults before any lane's find

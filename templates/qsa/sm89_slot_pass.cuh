@@ -105,12 +105,7 @@ __device__ __forceinline__ void row_order(const int* __restrict__ indices, long 
     local[i] = bins[kOrderBins - 1 - (PER * tid + i)];
     sum += local[i];
   }
-  int incl = sum;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += v;
-  }
+  const int incl = fij::warp_inclusive_scan(sum);
   if (lane == 31) warp_sums[tid >> 5] = incl;
   __syncthreads();
   int run = incl - sum;
