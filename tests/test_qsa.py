@@ -335,9 +335,11 @@ def test_split_count_and_specs():
     assert {s.family for s in specs} == {"qsa_slots", "qsa_decode", "qsa_decode_cluster"}
     clusters = {s.label for s in specs if s.family == "qsa_decode_cluster"}
     # fused or not; cp.async or cp.async two chunks a step, bulk with 2 CTAs only; and the
-    # one-wave splits (fused, two chunks a step, 2..8 CTAs at two configs; 3 already counted);
-    # no 2- or 4-CTA two-chunk clusters without slots (past qk.MAX_SMS SMs only)
-    assert len(clusters) == 2 * (2 * len(qk.CLUSTER_SIZES) + 1) + 2 * 7 - 3 - 2
+    # one-wave splits (fused, two chunks a step, 2..8 CTAs at two configs; 3 already counted;
+    # 2..WAVE_SLOT_PASS_SPLITS CTAs also after the slot pass); no 2- or 4-CTA two-chunk
+    # clusters without slots (past qk.MAX_SMS SMs only)
+    after_slot_pass = qk.WAVE_SLOT_PASS_SPLITS - 1
+    assert len(clusters) == 2 * (2 * len(qk.CLUSTER_SIZES) + 1) + 2 * 7 - 3 - 2 + after_slot_pass
     assert len(qsa_warmup.all_specs(16, 64, 64, 1)) == 2 + 1 + 2 * len(qk.CLUSTER_SIZES)  # no bulk
 
 

@@ -25,15 +25,17 @@ grid = _tool("qsa_bench_grid")
 UNROLL = 8  # the probe's kGatherUnroll
 
 
-def _build(head_dim: int):
-    spec = tool._gather.spec((head_dim,))
+def _build(head_dim: int, split_heads: bool = False):
+    spec = tool._gather.spec((head_dim, split_heads))
     return compile_cubin(render(spec, tool.TOOLS_BUILDER.template_root), "sm_90a")
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_probe_compiles_to_wide_loads_without_spills(head_dim, tmp_path):
+@pytest.mark.parametrize(
+    "head_dim,split_heads", [(64, False), (128, False), (256, False), (128, True)]
+)
+def test_probe_compiles_to_wide_loads_without_spills(head_dim, split_heads, tmp_path):
     pytest.importorskip("cuda.bindings.nvrtc")
-    built = _build(head_dim)
+    built = _build(head_dim, split_heads)
     assert built.messages == "", built.messages
     sass, res = _sass(built.cubin, tmp_path)
     assert "LOCAL:0" in res and "STACK:0" in res, f"the probe spills at D={head_dim}: {res}"
@@ -72,6 +74,8 @@ def test_runner_passes_the_signature(monkeypatch):
     k = case["k_cache"]
     assert values[2] == 200 and values[6:8] == (16, 2)  # topk, page size, Hkv
     assert values[9:12] == k.stride()[:3] and values[-2] == 8 * 64 * 2 // 16
+    tool.gather_runner([args], split_heads=True)(args)  # each kv head its own CTAs
+    assert kernel.calls[1][0] == (2, 3, 2) and kernel.calls[1][2][:-1] == values[:-1]
     bad = dict(case, q=case["q"].transpose(0, 1).contiguous().transpose(0, 1))
     with pytest.raises(AssertionError):
         tool.gather_runner([args_of(bad)])
@@ -121,18 +125,20 @@ def _expected_sink(args, words_per_row: int) -> np.ndarray:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split_heads", [False, True])
 @pytest.mark.parametrize("combined", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_gpu_probe_reads_exactly_the_selected_bytes(combined, d):
+def test_gpu_probe_reads_exactly_the_selected_bytes(combined, d, split_heads):
     case = make_case(rows=5, hq=16, hkv=2, d=d, page=16, topk=300, num_blocks=80, width=24,
                      device="cuda", combined=combined)  # fmt: skip
     case["logical_indices"][0, 1] = -1  # a skipped token inside the count
     case["logical_indices"][1, -1] = 37  # a short row
     args = args_of(case)
-    run = tool.gather_runner([args])
+    run = tool.gather_runner([args], split_heads)
     run(args)
     torch.cuda.synchronize()
     bits = [case[n].view(torch.int16) for n in ("q", "output_gate", "out")]
     assert torch.equal(bits[2], bits[0] ^ bits[1])
-    got = run.sink.view(5, -1).cpu().numpy().view(np.uint32)  # a word a (row, warp)
+    got = run.sink.view(1 + split_heads, 5, -1).cpu().numpy().view(np.uint32)  # (head,) row, warp
+    got = np.bitwise_xor.reduce(got, axis=0)  # the heads' words of a (row, warp) folded
     assert np.array_equal(got, _expected_sink(args, got.shape[1]))

@@ -81,13 +81,23 @@ def test_gpu_one_wave_splits(splits, config, topk, hq, strict):
     _check_launch(rows=5, hq=hq, hkv=1 if hq % 4 else 4, topk=topk, splits=splits, **overrides)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", range(2, qk.WAVE_SLOT_PASS_SPLITS + 1))
+@pytest.mark.parametrize("topk, hq", [(77, 3), (3000, 16)])
+def test_gpu_one_wave_splits_after_the_slot_pass(splits, topk, hq, strict):
+    """The one-wave kernels after the slot pass (a split's slots past the in-kernel list)."""
+    overrides = dict(fused=False, config=qk.WAVE_CONFIG, pair=True)
+    _check_launch(rows=5, hq=hq, hkv=1 if hq % 4 else 4, topk=topk, splits=splits, **overrides)
+
+
 def _check_launch(rows, hq, hkv, topk, splits, **overrides):
     """``_run_kernels`` with ``overrides`` on a D=128, page-64 case with the hazards (the
     combined cache at even topk) into a NaN-poisoned out, against the reference; rows 1
     and 3 (a zero count, a bad request) must be all zeros."""
     case = add_hazards(
         make_case(rows=rows, hq=hq, hkv=hkv, d=128, page=64, topk=topk, width=-(-topk // 64) + 3,
-                  num_blocks=60, device="cuda", seed=topk + splits, combined=topk % 2 == 0)
+                  num_blocks=max(60, 3 * (-(-topk // 64) + 3)), device="cuda", seed=topk + splits,
+                  combined=topk % 2 == 0)
     )  # fmt: skip
     case["out"].fill_(float("nan"))
     run_kernels(args_of(case), num_splits=splits, **overrides)
@@ -143,9 +153,10 @@ def test_gpu_bad_split_arguments(strict):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows, topk", [(4, 256), (2, 2048), (20, 1000)])
+@pytest.mark.parametrize("rows, topk", [(4, 256), (2, 2048), (20, 1000), (16, 4096), (8, 4096)])
 def test_gpu_dispatch_with_cluster_split_k(rows, topk, strict):
-    """The dispatcher's cluster plan and its warm-up."""
+    """The dispatcher's cluster plan and its warm-up (topk 4096 over 64 and 32 pairs: the
+    one-wave split of 2 and 3 CTAs after the slot pass)."""
     kv = torch.zeros(8, 4, 64, 256, dtype=torch.uint8, device="cuda")
     ready = warmup_qsa_fp8_decode(
         kv,

@@ -58,7 +58,11 @@ def test_issue_calls_take_the_measured_kernels():
     assert _launched(1, 64, 4, 2048, True) == (8, *half_wave)  # 32 CTAs: half a wave
     assert _launched(2, 64, 4, 2048, True) == (8, *half_wave)
     assert _launched(17, 64, 4, 2048, True) == (2, False, (4, 2, 4), False)  # 68 > 66 pairs
-    assert _launched(4, 64, 4, 8192, True) == (8, False, (4, 2, 4), False)  # slots don't fit
+    # slots past the in-kernel list: the wave split after the slot pass up to 3 splits,
+    # else the table
+    assert _launched(16, 64, 4, 4096, True) == (2, *wave) and not qk.fused_fits(4096, 2)
+    assert _launched(8, 16, 4, 4096, True) == (3, *wave) and not qk.fused_fits(4096, 3)
+    assert _launched(4, 64, 4, 8192, True) == (8, False, (4, 2, 4), False)
     assert _launched(4, 64, 4, 300, True)[0] == 2  # 19 chunks: two splits of 8 at most
 
 
@@ -76,6 +80,7 @@ def test_wave_split_rule():
     # topk 256 (16 chunks): 4 splits of 4 chunks for at most 16 pairs, else 2 of 8.
     assert [qk.wave_split(p, 128, 256, H200) for p in (1, 16, 17, 32, 66)] == [4, 4, 2, 2, 2]
     assert qk.wave_split(4, 128, 272, H200) == 2  # 17 chunks: the 8-chunk minimum again
+    assert qk.wave_split(64, 128, 4096, H200) == 2  # 2048 slots a split: the slot pass's
 
 
 def test_single_pass_crossover_per_arch():

@@ -91,26 +91,11 @@ SWEEPS: dict[str, list] = {
 # weights' column groups in registers this way, round 19 the Q prefetch only where a CTA's
 # run crosses a request and the schedule derived by warp 0 alone, both since shipped:
 # docs/perf-log/mqa_logits.md).
-# Session 22's ncu at b128n3 (docs/perf-log/mqa_logits.md round 22): ptxas places the tile
-# descriptor's shared load -> broadcast -> compare chain between the tile's first and second
-# wgmma, so the warp's in-order issue holds the last three behind it (short-scoreboard
-# samples on the SHFL and ISETP: 4.6 % of all). Meta-first (shipped at head_dim <= 64)
-# moves the load before the MMA; "meta-first-all" takes it at every head dim; "lane-meta"
-# drops the broadcast (every lane reads the same word, so m.x is the same in every lane:
-# one dependent step fewer). Run 13: meta-first-all b128n3 -3.5 %, b128n4h32 -4.5 % (since
-# shipped at next_n 3-4), b256n2 +1.5 %; lane-meta b128n4h32 -4.3 %, b128n3 +4.7 %.
-_META_FIRST_ALL = (
-    "      constexpr bool META_FIRST = DIM <= 64 || NEXT_N >= 3;\n",
-    "      constexpr bool META_FIRST = true;\n",
-)
-_LANE_META = (
-    "      m.x = __shfl_sync(0xffffffffu, m.x, 0);\n      if (m.x != q_b) {  // another request",
-    "      if (m.x != q_b) {  // another request",
-)
-VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
-    "meta-first-all": (_META_FIRST_ALL,),
-    "lane-meta": (_LANE_META,),
-}  # fmt: skip
+# None pending. Session 23 timed the head sum as a second MMA this way (tf32 m64n8k8, A the
+# ReLU'd accumulators in registers): level at B=256 next_n=1, 5-17 % slower at the other rows,
+# with one accumulator chain or four
+# (docs/perf-log/mqa_logits.md round 23; the probes are docs/perf-log/patches/mma-epi*).
+VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {}
 VARIANT_ROWS = (
     "skew32",
     "b32",

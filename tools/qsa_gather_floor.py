@@ -10,7 +10,9 @@ cycled past 4x L2, the three timed in interleaved rounds:
 - "gather": qsa_paged_gather_probe (tools/kernels/qsa_gather_probe.cuh), every byte the
   floor counts read from the call's own arguments (selection -> block table -> each
   selected token's K and V rows of every kv head; q and gate in, out back) with coalesced
-  16-byte loads, many in flight, in a grid that fills the device, and no math;
+  16-byte loads, many in flight, in a grid that fills the device, and no math; over
+  several kv heads the faster of two grids (a CTA's warps take every head of their
+  tokens, or each head its own CTAs: "gather_rows" / "gather_h" in the JSON);
 - "ours": `qsa_sparse_paged_attention` (whole call, checked against the torch path first);
 - "triton": the seed's kernel (`qsa_dispatch_sweep.load_seed`), "-" when not importable.
 The floor's K/V bytes are random pieces of 2*D bytes (a (token, kv head)'s K and V rows)
@@ -60,7 +62,7 @@ _gather = KernelFamily(
     "qsa_paged_gather_probe",
     "qsa_gather_probe.cuh",
     "fij_qsa::qsa_paged_gather_probe",
-    ("head_dim",),
+    ("head_dim", "split_heads"),
     (PTR, I64, I32, PTR, PTR, I64, I32, I32, PTR, I64, I64, I64, PTR, I64, I64, I64)
     + (PTR, PTR, PTR, I32, PTR),
 )
@@ -91,14 +93,15 @@ def wall_seconds(points: list[grid.Point]) -> float:
     return STARTUP_S + triton + sum(point_seconds(p) for p in points)
 
 
-def gather_runner(sets):
-    """run(args): the probe over one call's arguments (sink: a word a warp)."""
+def gather_runner(sets, split_heads: bool = False):
+    """run(args): the probe over one call's arguments (sink: a word a warp); ``split_heads``:
+    each kv head its own CTAs (grid.z), for small calls over several kv heads."""
     for q, k, v, indices, _, _, out, gate in (a[:8] for a in sets):  # what the probe assumes
         assert indices.stride(1) == 1 and k.stride(3) == v.stride(3) == 1
         assert all(t.is_contiguous() for t in (q, gate, out)) and q[0].nbytes % 16 == 0
     rows, topk = sets[0][0].shape[0], sets[0][3].shape[1] - 1
-    chunks = -(-topk // TOKENS)
-    sink = torch.empty(rows * chunks * WARPS, dtype=torch.int32, device=sets[0][0].device)
+    chunks, heads = -(-topk // TOKENS), sets[0][1].shape[2] if split_heads else 1
+    sink = torch.empty(heads * rows * chunks * WARPS, dtype=torch.int32, device=sets[0][0].device)
 
     def run(args) -> None:
         q, k, v, indices, table_, t2r, out, gate = args[:8]
@@ -107,10 +110,9 @@ def gather_runner(sets):
         values += (table_.data_ptr(), table_.stride(0), k.shape[1], k.shape[2])
         values += (k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3])
         values += (q.data_ptr(), gate.data_ptr(), out.data_ptr(), q[0].nbytes // 16)
-        kernel = _gather.get((q.shape[2],), device)
-        kernel.launch(
-            (chunks, rows, 1), (TOKENS, 1, 1), current_stream(device), (*values, sink.data_ptr())
-        )
+        kernel = _gather.get((q.shape[2], split_heads), device)
+        grid_ = (chunks, rows, heads)
+        kernel.launch(grid_, (TOKENS, 1, 1), current_stream(device), (*values, sink.data_ptr()))
 
     run.sink = sink  # a word a (row, warp), for the tests
     return run
@@ -129,9 +131,14 @@ def measure(point: grid.Point, seed_fn, min_floor: float) -> dict | None:
     ours = lambda a: qsa.qsa_sparse_paged_attention(*a)  # noqa: E731
     check(ours, sets[0], expect)
     runs = {"gather": gather_runner(sets), "ours": ours}
+    if p.hkv > 1:  # a kv head's CTAs apart too: the faster layout is the floor
+        runs["gather_h"] = gather_runner(sets, split_heads=True)
     runs.update(seed_runs(seed_fn, sets[0], expect, p.name))
     graphs = {name: capture(run, sets) for name, run in runs.items()}
     times = time_graphs(graphs, len(sets), grid.reps_for(floor, len(sets)))
+    if "gather_h" in times:
+        times["gather_rows"] = times["gather"]  # both layouts' figures stay in the JSON
+        times["gather"] = min(times["gather"], times["gather_h"])
     return {"floor": floor, **times}
 
 

@@ -64,8 +64,12 @@ H200, graph µs, in-kernel slots, two chunks a step; shipped = split_count's tab
     1/32/8/1024       k8  6.07   k8  6.24                    k8  6.40
 
 so the wave split with 8 warps of 4 stages, except where the split's grid is at most half
-a wave (rows 1-2 above), which keeps CLUSTER_PAIR_CONFIG. Selections whose splits' slots
-do not fit the in-kernel list (topk 8192 below 8 splits) keep the table (not measured).
+a wave (rows 1-2 above), which keeps CLUSTER_PAIR_CONFIG. Where a split's slots do not
+fit the in-kernel list (more than CLUSTER_SLOT_CAP entries), a wave split of at most
+WAVE_SLOT_PASS_SPLITS CTAs runs after the slot pass (WAVE_CONFIG: such grids are over half
+a wave); larger ones keep the table (not measured). Session 23 (tools/qsa_cluster_sweep.py,
+graph µs, the table's k4 in one launch against the wave's k2 after the slot pass):
+64/16/1/4096 35.4 -> 30.0, 16/64/4/4096 34.4 -> 28.8.
 """
 
 from __future__ import annotations
@@ -137,6 +141,7 @@ _MIN_CHUNKS_PER_SPLIT = 8
 # splits 4 ways in one wave: H200, per call in a graph, topk 256 at rows * Hkv = 1-16, 4 CTAs
 # 5.6-6.4 µs against 2 CTAs' 5.9-6.7 (at 32 pairs 2 CTAs win: 6.8 against 7.0).
 _MIN_CHUNKS_SHORT = 4
+WAVE_SLOT_PASS_SPLITS = 3  # the most one-wave splits that take the slot pass (see above)
 
 slots_family = kernel_family(
     "qsa_slots",
@@ -252,19 +257,21 @@ def wave_fits(pairs: int, topk: int, splits: int, clusters: Clusters) -> bool:
     """Whether ``splits`` CTAs per (row, kv head) qualify for the one-wave launch: the
     clusters of ``pairs`` pairs all run at once with one CTA per SM, and each split keeps
     _MIN_CHUNKS_PER_SPLIT chunks (_MIN_CHUNKS_SHORT for the few pairs of a short
-    selection) and its slots in the kernel."""
+    selection)."""
     chunks = -(-topk // CHUNK)
     short = chunks <= 16 and pairs <= 16
     least = _MIN_CHUNKS_SHORT if short else _MIN_CHUNKS_PER_SPLIT
-    return chunks >= splits * least and fused_fits(topk, splits) and pairs <= clusters(splits)
+    return chunks >= splits * least and pairs <= clusters(splits)
 
 
 def wave_split(pairs: int, head_dim: int, topk: int, clusters: Clusters) -> int:
-    """The most splits (2..CLUSTER_MAX) that ``wave_fits``; 0 where none does (or D != 128:
-    two chunks a step need it)."""
+    """The most splits (2..CLUSTER_MAX) that ``wave_fits``, where their slots fit the
+    kernel's list or they are at most WAVE_SLOT_PASS_SPLITS (after the slot pass); else 0
+    (and at D != 128: two chunks a step need it)."""
     if head_dim != 128:
         return 0
-    return next((k for k in range(CLUSTER_MAX, 1, -1) if wave_fits(pairs, topk, k, clusters)), 0)
+    k = next((k for k in range(CLUSTER_MAX, 1, -1) if wave_fits(pairs, topk, k, clusters)), 0)
+    return k if k <= WAVE_SLOT_PASS_SPLITS or fused_fits(topk, k) else 0
 
 
 def launch_split(
@@ -283,7 +290,8 @@ def launch_split(
     pairs = max(1, rows * num_kv_heads)
     k = wave_split(pairs, head_dim, topk, clusters) if pairs < min_programs else 0
     if k:
-        return k, CLUSTER_PAIR_CONFIG if 2 * pairs * k <= sms else WAVE_CONFIG, True
+        half = 2 * pairs * k <= sms and fused_fits(topk, k)
+        return k, CLUSTER_PAIR_CONFIG if half else WAVE_CONFIG, True
     return split_count(rows, num_kv_heads, topk, min_programs), None, None
 
 

@@ -19,6 +19,7 @@ from .kernels import (
     DECODE_MIN_PROGRAMS,
     MAX_SMS,
     WAVE_CONFIG,
+    WAVE_SLOT_PASS_SPLITS,
     Clusters,
     Plan,
     decode_min_programs,
@@ -188,8 +189,13 @@ def all_specs(
                 if reach and pairs_apply(head_dim, cluster, bulk):
                     pairs = (cluster, fused, False, CLUSTER_PAIR_CONFIG)
                     plans.append(decode_plan(group, head_dim, *pairs, pair=True))
-    # The one-wave splits (launch_split): any cluster size, as the device's GPCs decide.
+    # The one-wave splits (launch_split): any cluster size, as the device's GPCs decide;
+    # the smallest also after the slot pass (past CLUSTER_SLOT_CAP slots a split).
     for cluster in range(2, CLUSTER_MAX + 1) if pairs_apply(head_dim, 2, False) else ():
         for config in (CLUSTER_PAIR_CONFIG, WAVE_CONFIG):
             plans.append(decode_plan(group, head_dim, cluster, True, False, config, pair=True))
+        if cluster <= WAVE_SLOT_PASS_SPLITS:
+            plans.append(
+                decode_plan(group, head_dim, cluster, False, False, WAVE_CONFIG, pair=True)
+            )
     return [family.spec(params) for family, params in list(dict.fromkeys(plans))]

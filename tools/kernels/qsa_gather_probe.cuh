@@ -69,11 +69,15 @@ qsa_gather_probe(const unsigned char* __restrict__ k_cache, unsigned k_block, un
 // and V rows of every kv head, and each row's q and gate in and out back. No math: the K/V
 // words fold into one word a warp (the sink), out gets q ^ gate. Built for bandwidth, not
 // latency:
-// - grid = (token chunks of kGatherTokens, rows), not a persistent grid: each warp takes 32
+// - grid = (token chunks of kGatherTokens, rows, 1 or (SPLIT_HEADS) Hkv), not a persistent
+//   grid: each warp takes 32
 //   consecutive tokens of one row, so its selection is one coalesced load and the count is
 //   the row's, with no (row, token) division per piece; the block scheduler balances the
 //   CTAs (those past a row's count only take their share of q, gate and out), and the many
 //   waves of them at the byte floors the tool times (>= 50 us) keep the launch's tail small.
+//   SPLIT_HEADS gives each kv head its CTAs (each resolves its tokens again, from L2): small
+//   calls over several kv heads then have every head's loads in flight at once instead of
+//   one head after another; the tool times both layouts and takes the faster.
 // - each lane resolves one token (selection -> block table: two dependent trips, paid once
 //   per 32 tokens), then the warp streams the tokens' rows head by head with the addresses
 //   shuffled from the owning lane: UNIT adjacent lanes on the UNIT adjacent 16-byte pieces
@@ -96,7 +100,7 @@ __device__ __forceinline__ uint4 gather_load(const unsigned char* p) {
   return v;
 }
 
-template <int HEAD_DIM>
+template <int HEAD_DIM, bool SPLIT_HEADS>
 __global__ void __launch_bounds__(kGatherTokens)
 qsa_paged_gather_probe(const int* __restrict__ indices, long long index_stride, int topk,
                        const int* __restrict__ token_to_req, const int* __restrict__ block_table,
@@ -111,7 +115,8 @@ qsa_paged_gather_probe(const int* __restrict__ indices, long long index_stride, 
   static_assert(HEAD_DIM % 16 == 0 && 32 % UNIT == 0, "head_dim 16, 32, 64, 128 or 256");
   const int row = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // The row's q and gate in, out back (contiguous rows), shared out over the row's CTAs.
-  for (int i = blockIdx.x * kGatherTokens + threadIdx.x; i < row_pieces; i += gridDim.x * kGatherTokens) {
+  for (int i = blockIdx.x * kGatherTokens + threadIdx.x; blockIdx.z == 0 && i < row_pieces;
+       i += gridDim.x * kGatherTokens) {
     const long long at = (long long)row * row_pieces + i;
     const uint4 a = __ldg(q + at), b = __ldg(gate + at);
     out[at] = make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w);
@@ -135,7 +140,7 @@ qsa_paged_gather_probe(const int* __restrict__ indices, long long index_stride, 
     const long long blk = is_v ? v_block : k_block, tok_stride = is_v ? v_token : k_token;
     const long long head_stride = is_v ? v_head : k_head;
     const unsigned char* lane_base = (is_v ? v_cache : k_cache) + 16 * (piece % PIECES);
-    for (int head = 0; head < num_kv_heads; ++head) {  // trip 3
+    for (int head = SPLIT_HEADS ? blockIdx.z : 0; head < num_kv_heads; head += SPLIT_HEADS ? gridDim.z : 1) {  // trip 3
       const unsigned char* base = lane_base + head * head_stride;
       for (int t = 0; t < ntok; t += PER_LOAD * kGatherUnroll) {  // warp-uniform trips
         uint4 v[kGatherUnroll];
@@ -152,7 +157,7 @@ qsa_paged_gather_probe(const int* __restrict__ indices, long long index_stride, 
     }
   }
   acc = __reduce_xor_sync(~0u, acc);
-  if (lane == 0) sink[((long long)row * gridDim.x + blockIdx.x) * kGatherWarps + warp] = acc;
+  if (lane == 0) sink[(((long long)blockIdx.z * gridDim.y + row) * gridDim.x + blockIdx.x) * kGatherWarps + warp] = acc;
 }
 
 }  // namespace fij_qsa
