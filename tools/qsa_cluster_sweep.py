@@ -5,13 +5,13 @@ measured floor in the way): every cluster launch shape beside the dispatcher's.
     python tools/qsa_cluster_sweep.py --list                         # the variants, no GPU
 
 Per point, per call in a CUDA graph, inputs cycled past 4x L2, each variant checked against
-the torch path first: the dispatcher ("disp"); split counts 2, 4 and 8 (--splits), each with the
-cp.async gathers at CP_CONFIGS (warps, stages, min CTAs; "p": two chunks a step) and the
-256-byte bulk copies at BULK_CONFIGS; the gather probe (tools/qsa_gather_floor.py, the
-faster of its two grids) and the seed's kernel. What it answers: whether a launch shape the
-dispatcher does not take (more CTAs an SM, more stages, bulk copies in a one-wave grid)
-keeps more of the call's bytes in flight. Prints a table per point, best first, then one
-summary row a point.
+the torch path first: the dispatcher ("disp"); split counts 2, 4 and 8 (--splits; 1: the
+single pass), each with the cp.async gathers at CP_CONFIGS (warps, stages, min CTAs; "p":
+two chunks a step) and the 256-byte bulk copies at BULK_CONFIGS; the gather probe
+(tools/qsa_gather_floor.py, the faster of its two grids) and the seed's kernel. What it
+answers: whether a launch shape the dispatcher does not take (more CTAs an SM,
+more stages, bulk copies in a one-wave grid) makes a small call faster. Prints a table per
+point, best first, then one summary row a point.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from qsa_gather_floor import gather_runner  # noqa: E402
 from flashinfer_jit import qsa  # noqa: E402
 from flashinfer_jit.qsa import plan as qsa_plan  # noqa: E402
 from flashinfer_jit.qsa.op import run_kernels  # noqa: E402
-from jit_kernels import prepare  # noqa: E402
+from jit_kernels import prepare, sm_count  # noqa: E402
 
 POINTS = ("64/16/1/2048", "64/16/1/4096", "128/16/1/4096", "64/8/1/2048", "16/64/4/2048",
           "16/64/4/4096", "32/64/4/4096", "16/128/8/2048", "16/32/8/2048", "4/64/4/512",
@@ -89,20 +89,19 @@ def precompile(names, table_: dict[str, dict]) -> None:
 
 
 def _plan(args, kw) -> list:
-    """The (family, params) a variant launches (its checks run: ValueError when refused)."""
-    from flashinfer_jit.qsa import kernels as qk
-
+    """The (family, params) a variant launches, as plan.decode_launch picks them (its checks
+    run: ValueError where the variant is refused)."""
     q, k_cache, v_cache, indices = args[:4]
     rows, hq, d = q.shape
     hkv, topk = k_cache.shape[2], indices.shape[1] - 1
-    k, bulk, config, pair = kw["num_splits"], kw["bulk"], kw["config"], kw["pair"]
-    fused = qk.fused_fits(topk, k)
+    variant = qsa_plan.Variant(kw["num_splits"], None, kw["config"], kw["bulk"], kw["pair"])
+    splits, cluster, fused = qsa_plan._splits(topk, variant)
+    options = qsa_plan.QsaOptions()
     can_bulk = qsa_plan.bulk_ok(k_cache, v_cache, 0)
-    bulk, config, pair = qk.gather_choice(d, k, rows * hkv * k, 132, can_bulk, bulk, config, pair)
-    plans = [qk.decode_plan(hq // hkv, d, k, fused, bulk, config, False, False, pair)]
-    if not fused:
-        plans.append(qk.slot_plan(k_cache.shape[1], False, qsa_plan.QsaOptions().slot_entries))
-    return plans
+    shape = (hq // hkv, d, cluster, fused, rows * hkv * splits, sm_count(0))
+    family, params, _, _, order = qsa_plan._kernel_choice(variant, options, *shape, can_bulk)
+    slots = None if fused else qsa_plan.slot_kernel(topk, k_cache.shape[1], order, options)
+    return [(family, params)] + ([slots] if slots else [])
 
 
 def measure(name: str, seed_fn, table_: dict[str, dict]) -> dict:
