@@ -91,11 +91,55 @@ SWEEPS: dict[str, list] = {
 # weights' column groups in registers this way, round 19 the Q prefetch only where a CTA's
 # run crosses a request and the schedule derived by warp 0 alone, both since shipped:
 # docs/perf-log/mqa_logits.md).
-# None pending. Session 23 timed the head sum as a second MMA this way (tf32 m64n8k8, A the
-# ReLU'd accumulators in registers): level at B=256 next_n=1, 5-17 % slower at the other rows,
-# with one accumulator chain or four
-# (docs/perf-log/mqa_logits.md round 23; the probes are docs/perf-log/patches/mma-epi*).
-VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {}
+# Session 23 timed the head sum as a second MMA this way (tf32 m64n8k8, A the ReLU'd
+# accumulators in registers): level at B=256 next_n=1, 5-17 % slower at the other rows, with
+# one accumulator chain or four (docs/perf-log/mqa_logits.md round 23; the probes are
+# docs/perf-log/patches/mma-epi*).
+# "butterfly" (session 21's ncu at d64n2, not timed yet): DeepGEMM sums the quad with full
+# butterflies and every lane stores every item (redundant stores to one address cost one
+# transaction), where ours reduce-scatters (SHFL -> FADD -> FSEL chains: short-scoreboard
+# stalls 807 samples against its 186) to store each item once. The sums are bitwise the same
+# ((a + b) + (c + d) either way); float32 logits and epilogue only.
+_BUTTERFLY = (
+    (
+        "    if (q_b >= 0) rows_out.point(out, out_stride, q_b, tig);\n",
+        "    if (q_b >= 0) rows_out.point(out, out_stride, q_b, tig);\n"
+        "    OutT* vrow = out + (long long)max(q_b, 0) * NEXT_N * out_stride + warp * 16 + g;\n",
+    ),
+    (
+        "        rows_out.point(out, out_stride, q_b, tig);\n",
+        "        rows_out.point(out, out_stride, q_b, tig);\n"
+        "        vrow = out + (long long)q_b * NEXT_N * out_stride + warp * 16 + g;\n",
+    ),
+    (
+        """      typename Sums::Item res[Sums::M];
+      sums.reduce(sc0, sc1, tig, res);
+      rows_out.put(res, m.y, m.z, tig);
+""",
+        """      if constexpr (!Sums::F16EPI && sizeof(OutT) == 4) {
+        float v[Sums::V];
+#pragma unroll
+        for (int i = 0; i < Sums::V; ++i) v[i] = sums.part[i >> 1][i & 1] + sums.part_b[i >> 1][i & 1];
+#pragma unroll
+        for (int i = 0; i < Sums::V; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], 1);
+#pragma unroll
+        for (int i = 0; i < Sums::V; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], 2);
+        OutT* p = vrow + m.y * kTile;
+        const int pos = m.y * kTile + warp * 16 + g;
+#pragma unroll
+        for (int t = 0; t < NEXT_N; ++t) {
+          if (pos < m.z) p[t * out_stride] = v[2 * t] * sc0;
+          if (pos + 8 < m.z) p[t * out_stride + 8] = v[2 * t + 1] * sc1;
+        }
+      } else {
+        typename Sums::Item res[Sums::M];
+        sums.reduce(sc0, sc1, tig, res);
+        rows_out.put(res, m.y, m.z, tig);
+      }
+""",
+    ),
+)
+VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {"butterfly": _BUTTERFLY}
 VARIANT_ROWS = (
     "skew32",
     "b32",
