@@ -97,9 +97,10 @@ SWEEPS: dict[str, list] = {
 # docs/perf-log/patches/mma-epi*).
 # "butterfly" (session 21's ncu at d64n2, not timed yet): DeepGEMM sums the quad with full
 # butterflies and every lane stores every item (redundant stores to one address cost one
-# transaction), where ours reduce-scatters (SHFL -> FADD -> FSEL chains: short-scoreboard
-# stalls 807 samples against its 186) to store each item once. The sums are bitwise the same
-# ((a + b) + (c + d) either way); float32 logits and epilogue only.
+# transaction), where ours reduce-scatters to store each item once (SHFL -> FADD -> FSEL
+# chains; the FADDs after SHFL were one of the short-scoreboard sites that ncu counted, 807
+# samples in all against its 186, beside the descriptor chain and the lane indices). The
+# sums are bitwise the same ((a + b) + (c + d) either way); float32 logits and epilogue only.
 _BUTTERFLY = (
     (
         "    if (q_b >= 0) rows_out.point(out, out_stride, q_b, tig);\n",

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import qsa_bench_grid as grid  # noqa: E402
 import torch  # noqa: E402
 from qsa_bench_util import (  # noqa: E402
     TOL,
@@ -31,17 +32,16 @@ from qsa_bench_util import (  # noqa: E402
     check,
     floor_us,
     make_sets,
-    n_sets_for,
     reference_of,
     table,
     time_graphs,
 )
 from qsa_dispatch_sweep import SEED_TOL, default_seed_path, load_seed, seed_runs  # noqa: E402
-from qsa_gather_floor import gather_runner  # noqa: E402
+from qsa_gather_floor import fold_gather, gather_runs  # noqa: E402
 
 from flashinfer_jit import qsa  # noqa: E402
-from flashinfer_jit.qsa import plan as qsa_plan  # noqa: E402
 from flashinfer_jit.qsa.op import run_kernels  # noqa: E402
+from flashinfer_jit.qsa.plan import QsaOptions, Variant  # noqa: E402
 from jit_kernels import prepare, sm_count  # noqa: E402
 
 POINTS = ("64/16/1/2048", "64/16/1/4096", "128/16/1/4096", "64/8/1/2048", "16/64/4/2048",
@@ -68,49 +68,32 @@ def variants(splits: tuple[int, ...] = SPLITS) -> dict[str, dict]:
     return out
 
 
-def parse(name: str) -> tuple[int, int, int, int]:
-    rows, hq, hkv, topk = (int(x) for x in name.split("/"))
-    return rows, hq, hkv, topk
+def parse(name: str) -> grid.Point:
+    """A point of tools/qsa_bench_grid.py from its name (rows/Hq/Hkv/topk)."""
+    return grid.Point(*(int(x) for x in name.split("/")))
 
 
 def precompile(names, table_: dict[str, dict]) -> None:
-    """Every variant's kernels of every point, compiled at once (jit_kernels.prepare)."""
-    wanted = []
-    for name in names:
-        rows, hq, hkv, topk = parse(name)
-        sets = make_sets(rows, hq, hkv, topk, 1, GIB)
+    """Every variant's kernels of every point, compiled at once (jit_kernels.prepare), as
+    the sweep's own planner (qsa_bench_grid.resolve, plans_of) says decode_launch picks
+    them; a variant its checks refuse is left to its row."""
+    options, sms, wanted = QsaOptions(), sm_count(0), []
+    for point in map(parse, names):
         for kw in table_.values():
+            variant = Variant(kw["num_splits"], None, kw["config"], kw["bulk"], kw["pair"])
             try:
-                launch = _plan(sets[0], kw)
+                wanted += grid.plans_of(point, grid.resolve(point, variant, sms), options)
             except ValueError:
                 continue
-            wanted += launch
     prepare(list(dict.fromkeys(wanted)), 0)
 
 
-def _plan(args, kw) -> list:
-    """The (family, params) a variant launches, as plan.decode_launch picks them (its checks
-    run: ValueError where the variant is refused)."""
-    q, k_cache, v_cache, indices = args[:4]
-    rows, hq, d = q.shape
-    hkv, topk = k_cache.shape[2], indices.shape[1] - 1
-    variant = qsa_plan.Variant(kw["num_splits"], None, kw["config"], kw["bulk"], kw["pair"])
-    splits, cluster, fused = qsa_plan._splits(topk, variant)
-    options = qsa_plan.QsaOptions()
-    can_bulk = qsa_plan.bulk_ok(k_cache, v_cache, 0)
-    shape = (hq // hkv, d, cluster, fused, rows * hkv * splits, sm_count(0))
-    family, params, _, _, order = qsa_plan._kernel_choice(variant, options, *shape, can_bulk)
-    slots = None if fused else qsa_plan.slot_kernel(topk, k_cache.shape[1], order, options)
-    return [(family, params)] + ([slots] if slots else [])
-
-
 def measure(name: str, seed_fn, table_: dict[str, dict]) -> dict:
-    rows, hq, hkv, topk = parse(name)
-    sets = make_sets(rows, hq, hkv, topk, n_sets_for(rows, hkv, topk), GIB, seed=7)
+    p = parse(name)
+    sets = make_sets(p.rows, p.hq, p.hkv, p.topk, grid.n_sets(p), GIB, seed=7,
+                     page=p.page, head_dim=p.head_dim)  # fmt: skip
     expect = reference_of(sets[0])
-    runs = {"disp": lambda a: qsa.qsa_sparse_paged_attention(*a), "gather": gather_runner(sets)}
-    if hkv > 1:
-        runs["gather_h"] = gather_runner(sets, split_heads=True)
+    runs = {"disp": lambda a: qsa.qsa_sparse_paged_attention(*a), **gather_runs(sets)}
     runs.update(seed_runs(seed_fn, sets[0], expect, name))
     for label, kw in table_.items():
         runs[label] = lambda a, kw=kw: run_kernels(a, **kw)
@@ -123,13 +106,14 @@ def measure(name: str, seed_fn, table_: dict[str, dict]) -> dict:
         except Exception as exc:  # noqa: BLE001 (a refused or failing variant is a row)
             errors[label] = f"{type(exc).__name__}: {exc}"[:70]
     times = time_graphs(graphs, len(sets), 20)
+    fold_gather(times)
     times["floor"] = floor_us(sets[0])
     return {"times": times, "errors": errors}
 
 
 def report(name: str, result: dict) -> list:
     t = result["times"]
-    gather = min(v for k, v in t.items() if k.startswith("gather"))
+    gather = t["gather"]
     ours = {k: v for k, v in t.items() if k.startswith("k")}
     ranked = sorted(ours, key=ours.get)
     print(f"\n== {name}: floor {t['floor']:.1f}, gather {gather:.1f}, disp {t['disp']:.1f}, "

@@ -118,6 +118,24 @@ def gather_runner(sets, split_heads: bool = False):
     return run
 
 
+def gather_runs(sets) -> dict:
+    """The probe over ``sets``: "gather" (a CTA's warps take every kv head of their tokens)
+    and, over several kv heads, "gather_h" (each kv head its own CTAs); fold_gather then
+    makes the faster one the floor."""
+    runs = {"gather": gather_runner(sets)}
+    if sets[0][1].shape[2] > 1:
+        runs["gather_h"] = gather_runner(sets, split_heads=True)
+    return runs
+
+
+def fold_gather(times: dict) -> None:
+    """``times["gather"]`` becomes the faster grid's time; the first grid's stays in the
+    JSON as "gather_rows"."""
+    if "gather_h" in times:
+        times["gather_rows"] = times["gather"]
+        times["gather"] = min(times["gather"], times["gather_h"])
+
+
 def measure(point: grid.Point, seed_fn, min_floor: float) -> dict | None:
     """The point's floor and times (µs); None where its first set's floor is under
     ``min_floor``."""
@@ -130,15 +148,11 @@ def measure(point: grid.Point, seed_fn, min_floor: float) -> dict | None:
     expect = reference_of(sets[0])
     ours = lambda a: qsa.qsa_sparse_paged_attention(*a)  # noqa: E731
     check(ours, sets[0], expect)
-    runs = {"gather": gather_runner(sets), "ours": ours}
-    if p.hkv > 1:  # a kv head's CTAs apart too: the faster layout is the floor
-        runs["gather_h"] = gather_runner(sets, split_heads=True)
+    runs = {**gather_runs(sets), "ours": ours}
     runs.update(seed_runs(seed_fn, sets[0], expect, p.name))
     graphs = {name: capture(run, sets) for name, run in runs.items()}
     times = time_graphs(graphs, len(sets), grid.reps_for(floor, len(sets)))
-    if "gather_h" in times:
-        times["gather_rows"] = times["gather"]  # both layouts' figures stay in the JSON
-        times["gather"] = min(times["gather"], times["gather_h"])
+    fold_gather(times)
     return {"floor": floor, **times}
 
 

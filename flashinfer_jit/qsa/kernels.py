@@ -285,8 +285,9 @@ def launch_split(
 ) -> tuple[int, Config | None, bool | None]:
     """The dispatcher's (splits, config, pair) for a call it splits (below the single pass's
     crossover): the one-wave split where there is one (CLUSTER_PAIR_CONFIG when its grid is
-    at most half a wave, else WAVE_CONFIG; two chunks a step), else split_count's table
-    with gather_choice's rule (config and pair None)."""
+    at most half a wave and it resolves its own slots, else WAVE_CONFIG, the only form
+    prebuilt after the slot pass; two chunks a step), else split_count's table with
+    gather_choice's rule (config and pair None)."""
     pairs = max(1, rows * num_kv_heads)
     k = wave_split(pairs, head_dim, topk, clusters) if pairs < min_programs else 0
     if k:

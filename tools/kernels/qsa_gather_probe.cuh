@@ -140,7 +140,8 @@ qsa_paged_gather_probe(const int* __restrict__ indices, long long index_stride, 
     const long long blk = is_v ? v_block : k_block, tok_stride = is_v ? v_token : k_token;
     const long long head_stride = is_v ? v_head : k_head;
     const unsigned char* lane_base = (is_v ? v_cache : k_cache) + 16 * (piece % PIECES);
-    for (int head = SPLIT_HEADS ? blockIdx.z : 0; head < num_kv_heads; head += SPLIT_HEADS ? gridDim.z : 1) {  // trip 3
+    const int head0 = SPLIT_HEADS ? blockIdx.z : 0, head_step = SPLIT_HEADS ? gridDim.z : 1;
+    for (int head = head0; head < num_kv_heads; head += head_step) {  // trip 3
       const unsigned char* base = lane_base + head * head_stride;
       for (int t = 0; t < ntok; t += PER_LOAD * kGatherUnroll) {  // warp-uniform trips
         uint4 v[kGatherUnroll];
@@ -157,7 +158,8 @@ qsa_paged_gather_probe(const int* __restrict__ indices, long long index_stride, 
     }
   }
   acc = __reduce_xor_sync(~0u, acc);
-  if (lane == 0) sink[(((long long)blockIdx.z * gridDim.y + row) * gridDim.x + blockIdx.x) * kGatherWarps + warp] = acc;
+  const long long cta = ((long long)blockIdx.z * gridDim.y + row) * gridDim.x + blockIdx.x;
+  if (lane == 0) sink[cta * kGatherWarps + warp] = acc;
 }
 
 }  // namespace fij_qsa
