@@ -104,6 +104,15 @@ def test_gpu_many_requests(variant, count, longest):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS), indirect=True)
+# One request takes cta_tiles' own path (no scan): empty, shorter than next_n, a tile's
+# edges, fewer tiles than CTAs (most CTAs idle) and more (several tiles a CTA).
+@pytest.mark.parametrize("length", [0, 1, 63, 64, 65, 1000, 20000])
+def test_gpu_one_request(variant, length):
+    run_and_check([length], device="cuda", next_n=2, heads=32, seed=length, options=variant)
+
+
+@pytest.mark.gpu
 def test_gpu_generic_serves_when_jit_disabled(monkeypatch):
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a torch fallback would raise
     generic = MqaLogitsOptions(force_generic=True)  # builds (caches) the generic cubin

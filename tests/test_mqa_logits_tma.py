@@ -351,6 +351,21 @@ def test_gpu_tma_other_head_dims(tma_variant, dim, next_n, heads, block_size):
     assert _served_by_tma()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "tma_variant",
+    ["auto", "large", "tma_1x3", "tma_2x4lp", "tma_4x8p4lr", "tma_3x12p4lr"],
+    indirect=True,
+)
+@pytest.mark.parametrize("length", [0, 1, 65, 1000, 20000])
+def test_gpu_tma_one_request(tma_variant, length):
+    """One request: cta_tiles' own path (no scan, no search) in the TMA configs."""
+    _skip_unfit_pair(tma_variant.config, 2 * 64)
+    _skip_unfit_regs(tma_variant.config, 2 * 64)
+    run_and_check([length], device="cuda", next_n=2, heads=64, seed=length, options=tma_variant)
+    assert length == 0 or _served_by_tma()
+
+
 def _one_cta_schedule(batch: int) -> torch.Tensor:
     """CTA 0 owns every tile; the others none (a legal, if slow, caller schedule)."""
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count

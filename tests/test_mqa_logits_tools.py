@@ -102,3 +102,16 @@ def test_probes_refuse_the_lean_loop():
     with pytest.raises(ValueError, match="plain loop"):
         probe.probe_options(None, 2)
     assert probe.probe_options(TmaConfig(4, 8, 4, 2, 0, 0, 112), 3).config.lean == 0
+
+
+def test_patch_templates_takes_other_files(tmp_path):
+    """A variant's patch names its template when it is not the TMA one (the epilogue's
+    tile.cuh, the schedule's util.cuh); an anchor found other than once stops the tool."""
+    probe = _tool("mqa_logits_probe")
+    name = "mqa_logits/util.cuh"
+    anchor = "constexpr int kOnePassPerThread = 8;"
+    probe.patch_templates(tmp_path / "t", [(name, anchor, "constexpr int kOnePassPerThread = 4;")])
+    text = (tmp_path / "t" / name).read_text()
+    assert "kOnePassPerThread = 4;" in text and anchor not in text
+    with pytest.raises(SystemExit, match="exactly once"):
+        probe.patch_templates(tmp_path / "u", [(name, "no such anchor", "")])

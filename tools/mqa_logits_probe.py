@@ -59,19 +59,20 @@ PROBE_PATCHES = [
 ]
 
 
-def patch_templates(root: Path, patches: list[tuple[str, str]]) -> None:
-    """Copy the package's templates to ``root`` and apply ``patches`` to the TMA template."""
+def patch_templates(root: Path, patches: list[tuple[str, ...]]) -> None:
+    """Copy the package's templates to ``root`` and apply ``patches``: (anchor, replacement)
+    to the TMA template, or (template, anchor, replacement) to another file under it."""
     shutil.copytree(TEMPLATE_ROOT, root, dirs_exist_ok=True)
-    path = root / TMA_TEMPLATE
-    text = path.read_text()
-    for anchor, replacement in patches:
+    for patch in patches:
+        name, anchor, replacement = patch if len(patch) == 3 else (TMA_TEMPLATE, *patch)
+        path = root / name
+        text = path.read_text()
         if text.count(anchor) != 1:
             raise SystemExit(f"anchor not found exactly once in {path.name}: {anchor!r}")
-        text = text.replace(anchor, replacement)
-    path.write_text(text)
+        path.write_text(text.replace(anchor, replacement))
 
 
-def patched_family(root: Path, name: str, patches: list[tuple[str, str]]) -> KernelFamily:
+def patched_family(root: Path, name: str, patches: list[tuple[str, ...]]) -> KernelFamily:
     """The TMA family (with a trailing ``probe`` parameter) built from a patched copy of
     the templates under ``root``; ``patches`` come after the probe's."""
     patch_templates(root, PROBE_PATCHES + patches)
@@ -104,7 +105,7 @@ def probe(n: int) -> Probe:
 
 
 @functools.cache
-def variant(name: str, patches: tuple[tuple[str, str], ...]) -> KernelFamily:
+def variant(name: str, patches: tuple[tuple[str, ...], ...]) -> KernelFamily:
     """The TMA family built from a copy of the templates with ``patches`` (and no probe
     parameter): a candidate change timed beside the shipped kernel in one process."""
     root = Path(tempfile.mkdtemp(prefix="fij-variant-"))

@@ -95,64 +95,14 @@ SWEEPS: dict[str, list] = {
 # accumulators in registers): level at B=256 next_n=1, 5-17 % slower at the other rows, with
 # one accumulator chain or four (docs/perf-log/mqa_logits.md round 23; the probes are
 # docs/perf-log/patches/mma-epi*).
-# "butterfly" (session 21's ncu at d64n2, not timed yet): DeepGEMM sums the quad with full
-# butterflies and every lane stores every item (redundant stores to one address cost one
-# transaction), where ours reduce-scatters to store each item once (SHFL -> FADD -> FSEL
-# chains; the FADDs after SHFL were one of the short-scoreboard sites that ncu counted, 807
-# samples in all against its 186, beside the descriptor chain and the lane indices). The
-# sums are bitwise the same ((a + b) + (c + d) either way); float32 logits and epilogue only.
-_BUTTERFLY = (
-    (
-        "    if (q_b >= 0) rows_out.point(out, out_stride, q_b, tig);\n",
-        "    if (q_b >= 0) rows_out.point(out, out_stride, q_b, tig);\n"
-        "    OutT* vrow = out + (long long)max(q_b, 0) * NEXT_N * out_stride + warp * 16 + g;\n",
-    ),
-    (
-        "        rows_out.point(out, out_stride, q_b, tig);\n",
-        "        rows_out.point(out, out_stride, q_b, tig);\n"
-        "        vrow = out + (long long)q_b * NEXT_N * out_stride + warp * 16 + g;\n",
-    ),
-    (
-        """      typename Sums::Item res[Sums::M];
-      sums.reduce(sc0, sc1, tig, res);
-      rows_out.put(res, m.y, m.z, tig);
-""",
-        """      if constexpr (!Sums::F16EPI && sizeof(OutT) == 4) {
-        float v[Sums::V];
-#pragma unroll
-        for (int i = 0; i < Sums::V; ++i) v[i] = sums.part[i >> 1][i & 1] + sums.part_b[i >> 1][i & 1];
-#pragma unroll
-        for (int i = 0; i < Sums::V; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], 1);
-#pragma unroll
-        for (int i = 0; i < Sums::V; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], 2);
-        OutT* p = vrow + m.y * kTile;
-        const int pos = m.y * kTile + warp * 16 + g;
-#pragma unroll
-        for (int t = 0; t < NEXT_N; ++t) {
-          if (pos < m.z) p[t * out_stride] = v[2 * t] * sc0;
-          if (pos + 8 < m.z) p[t * out_stride + 8] = v[2 * t + 1] * sc1;
-        }
-      } else {
-        typename Sums::Item res[Sums::M];
-        sums.reduce(sc0, sc1, tig, res);
-        rows_out.put(res, m.y, m.z, tig);
-      }
-""",
-    ),
-)
-VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {"butterfly": _BUTTERFLY}
-VARIANT_ROWS = (
-    "skew32",
-    "b32",
-    "b1",
-    "b256",
-    "b256n2",
-    "d64n2",
-    "d32n2",
-    "b128n3",
-    "b128n4h32",
-    "b64L64kn2",
-)
+# Session 24 (docs/perf-log/mqa_logits.md round 24) timed "butterfly" (DeepGEMM's quad sum:
+# full butterflies, every lane storing every item): 4-19 % slower at next_n 2-4; "sat" (the
+# ReLU as FMUL.SAT on the FMA pipe instead of FMNMX on the ALU pipe, bitwise the same
+# logits): level in 4 alternating rounds; "pf1" (a B=1 call's first reads prefetched into
+# L2 before griddepcontrol.wait): level; "b1" (a B=1 call's run without the warp's scan
+# and search): 8-15 % faster at B=1, since shipped (util.cuh, cta_tiles).
+VARIANTS: dict[str, tuple[tuple[str, ...], ...]] = {}
+VARIANT_ROWS = tuple(row.name for row in ROWS if row.head_dim_fits_tma())
 # Rows whose variants are also timed in a forced config (column "<variant>-<config>"); round
 # 16 timed the weights' variants at d64n2 / d32n2 in their one-Q-buffer configs this way.
 VARIANT_CONFIGS: dict[str, TmaConfig] = {}

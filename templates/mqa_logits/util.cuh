@@ -211,7 +211,19 @@ template <int THREADS, bool WARP = true>
 __device__ __forceinline__ void cta_tiles(const int* __restrict__ schedule, const int* __restrict__ seq_lens,
                                           long long sl_stride, int batch, int* red, int* sched) {
   const int lane = threadIdx.x & 31;
-  if (WARP && schedule == nullptr && batch <= 32 * kOnePassPerThread) {
+  if (WARP && schedule == nullptr && batch == 1) {
+    // One request: its tiles are the run, so no scan and no search, one thread. The warp's
+    // scan and search held every CTA's first copy: B=1 L=8K 3.2-3.3 -> 2.8-3.0 us (H200,
+    // MQA round 24, variant "b1"), below a given schedule's 2.9-3.1. (Not in the setmaxnreg
+    // kernels, WARP false: the branch's code spilled 16 bytes at next_n=3.)
+    if (threadIdx.x == 0) {
+      const int total = tiles_of(seq_lens[0]);
+      const int x0 = split_point(blockIdx.x, gridDim.x, total), x1 = split_point(blockIdx.x + 1, gridDim.x, total);
+      sched[0] = x0 < total ? 0 : batch;  // past the end: (batch, 0), as one_pass_tiles
+      sched[1] = x0 < total ? x0 : 0;
+      sched[2] = x1 - x0;
+    }
+  } else if (WARP && schedule == nullptr && batch <= 32 * kOnePassPerThread) {
     // Up to 256 requests: warp 0 alone. The block-wide scan's two barriers held every CTA's
     // first copy: B=1 L=8K 3.74 -> 3.53 us, B=32 11.71 -> 11.46, the skewed B=32 row 11.62
     // -> 11.25 (a given schedule: 3.23, 11.18, 11.21; H200, MQA round 19, variant
