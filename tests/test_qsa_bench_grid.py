@@ -16,6 +16,7 @@ from flashinfer_jit.qsa import warmup
 from flashinfer_jit.qsa.checks import MAX_GROUP
 from flashinfer_jit.qsa.kernels import MAX_SMS, table_pairs_unfused
 from flashinfer_jit.qsa.plan import QsaOptions
+from flashinfer_jit.qsa.short import decode_short_family
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "tools") not in sys.path:
@@ -73,7 +74,8 @@ def test_short_column_and_its_threshold_points():
         assert (pick == "short") is rule, point
     pairs = {p.pairs for p in grid.grid() if "short" in grid.variants_of(p, SMS, CLUSTERS)}
     assert {512, 1024, 1536, 2048, 2112, 3072, 4096} <= pairs
-    assert grid.resolve(grid.Point(4096, 16, 1, 256), grid.SHORT_VARIANT, SMS)[0] == "short"
+    choice = grid.resolve(grid.Point(4096, 16, 1, 256), grid.SHORT_VARIANT, SMS)
+    assert choice.kernel[0] is decode_short_family and choice.slots is not None
     selected = grid.select_pairs(grid.grid(), "512:4096")
     assert selected and all(512 <= p.pairs <= 4096 for p in selected)
     assert grid.select_pairs(grid.grid(), "4097:") == [p for p in grid.grid() if p.pairs > 4096]

@@ -22,7 +22,7 @@ from qsa_bench_util import BANDWIDTH, n_sets_for
 
 from flashinfer_jit.qsa import kernels as qk
 from flashinfer_jit.qsa import short as qs
-from flashinfer_jit.qsa.plan import SHORT_VARIANT, QsaOptions, Variant
+from flashinfer_jit.qsa.plan import SHORT_VARIANT, Choice, QsaOptions, Variant, launch_choice
 from jit_kernels import KernelSpec
 
 GATE = qk.DECODE_MIN_PROGRAMS  # rows x Hkv from which the dispatcher takes the single pass
@@ -145,37 +145,19 @@ def split_variant(point: Point, sms: int, clusters: qk.Clusters) -> Variant:
     return Variant(splits, None, config, None, pair)
 
 
-def resolve(point: Point, variant: Variant, sms: int) -> tuple:
-    """(splits, fused, bulk, config, pair) that plan.decode_launch launches for ``variant``
-    (the bench's caches are the combined layout: bulk copies apply at D=128 on sm_90);
-    splits "short" for the short single pass, pair its row order."""
-    if variant.short:
-        config = qs.checked_short_config(variant.config, point.head_dim, point.head_dim == 128)
-        return "short", False, point.head_dim == 128, config, variant.order
-    splits = variant.num_splits if point.topk else 1
-    cluster = splits if splits > 1 else 0
-    fused = variant.fused
-    if fused is None:
-        fused = bool(cluster) and qk.fused_fits(point.topk, splits)
-    bulk, config, pair = qk.gather_choice(
-        point.head_dim, cluster, point.pairs * splits, sms, point.head_dim == 128,
-        variant.bulk, variant.config, variant.pair,
+def resolve(point: Point, variant: Variant, sms: int, options: QsaOptions | None = None) -> Choice:
+    """What plan.decode_launch launches for ``variant`` at ``point`` (plan.launch_choice,
+    the dispatcher's own planner; the bench's caches are the combined layout, so bulk
+    copies apply at D=128). Variants with equal choices launch the same kernels the same way."""
+    return launch_choice(
+        variant, options or QsaOptions(), point.group, point.head_dim, point.topk, point.page,
+        point.pairs, sms, point.head_dim == 128,
     )  # fmt: skip
-    return splits, fused, bulk, config, pair
 
 
-def plans_of(point: Point, key: tuple, options: QsaOptions) -> list[qk.Plan]:
-    """The kernels (family, parameters) of one resolved variant, as plan.decode_launch."""
-    splits, fused, bulk, config, pair = key
-    if splits == "short":
-        short = qs.short_plan(point.group, point.head_dim, bulk, config, options.tmma, pair)
-        return [short, qk.slot_plan(point.page, pair, options.slot_entries)]
-    cluster = splits if splits > 1 else 0
-    forms = (options.tmma, options.lean, pair)
-    plans = [qk.decode_plan(point.group, point.head_dim, cluster, fused, bulk, config, *forms)]
-    if not fused:
-        plans.append(qk.slot_plan(point.page, not cluster, options.slot_entries))
-    return plans
+def plans_of(choice: Choice) -> list[qk.Plan]:
+    """The kernels (family, parameters) of one resolved variant, the decode's first."""
+    return [choice.kernel] + ([choice.slots] if choice.slots else [])
 
 
 def sweep_specs(points: Iterable[Point], sms: int, clusters: qk.Clusters) -> list[KernelSpec]:
@@ -184,7 +166,7 @@ def sweep_specs(points: Iterable[Point], sms: int, clusters: qk.Clusters) -> lis
     for point in points:
         variants = [*variants_of(point, sms, clusters).values()]
         for variant in [*variants, dispatch_variant(point, sms, clusters)]:
-            for plan in plans_of(point, resolve(point, variant, sms), options):
+            for plan in plans_of(resolve(point, variant, sms, options)):
                 plans[plan] = None
     return sorted({family.spec(params) for family, params in plans}, key=str)
 

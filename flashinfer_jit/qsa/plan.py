@@ -6,6 +6,7 @@ call replays. The kernel families, configs and split rule are ``kernels``'s."""
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -122,35 +123,73 @@ def _splits(topk: int, variant: Variant) -> tuple[int, int, bool]:
     return num_splits, cluster, fused
 
 
+class Choice(NamedTuple):
+    """What a call of a geometry launches (launch_choice): the decode's kernel and shape,
+    and the slot pass's kernel (None where the decode resolves its own slots, or where the
+    slot pass launches nothing)."""
+
+    num_splits: int  # CTAs a (row, kv head): 1 the single pass, else a cluster of that many
+    cluster: int  # num_splits where > 1, else 0
+    fused: bool  # the cluster resolves its own slots (no slot pass)
+    kernel: Plan  # the decode's (family, params)
+    bulk: bool  # one bulk copy per token's K and V rows
+    config: tuple[int, int, int]  # (warps, stages, min CTAs)
+    order: bool  # the decode reads the slot pass's row order (the single pass's)
+    slots: Plan | None  # the slot pass's (family, params)
+
+
+def launch_choice(
+    variant: Variant,
+    options: QsaOptions,
+    group: int,
+    head_dim: int,
+    topk: int,
+    page_size: int,
+    pairs: int,
+    sms: int,
+    can_bulk: bool,
+) -> Choice:
+    """The kernels and shapes a call launches for ``variant`` (no device needed): ``pairs``
+    = rows x Hkv, ``sms`` the device's SMs, ``can_bulk`` bulk_ok's answer. decode_launch
+    launches exactly this; the benchmark tools plan their variants through it."""
+    num_splits, cluster, fused = _splits(topk, variant)
+    shape = (group, head_dim, cluster, fused, pairs * num_splits, sms)
+    family, params, bulk, config, order = _kernel_choice(variant, options, *shape, can_bulk)
+    slots = None if fused else slot_kernel(topk, page_size, order, options)
+    return Choice(num_splits, cluster, fused, (family, params), bulk, config, order, slots)
+
+
 def decode_launch(args: tuple, options: QsaOptions, variant: Variant) -> DecodeLaunch:
     """What a call launches (nothing is launched here); a repeat call replays it."""
     q, k_cache, v_cache, logical_indices, block_table, token_to_req = args[:6]
     rows, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     topk = logical_indices.shape[1] - 1
-    num_splits, cluster, fused = _splits(topk, variant)
     device = cuda_device_index(q)
-    grid_ctas, can_bulk = rows * num_kv_heads * num_splits, bulk_ok(k_cache, v_cache, device)
-    shape = (num_q_heads // num_kv_heads, head_dim, cluster, fused, grid_ctas, sm_count(device))
-    family, params, bulk, config, order = _kernel_choice(variant, options, *shape, can_bulk)
-    slots = None if fused else slot_kernel(topk, page_size, order, options)
-    prepare([(family, params)] + ([slots] if slots else []), device)  # compiled at once
+    choice = launch_choice(
+        variant, options, num_q_heads // num_kv_heads, head_dim, topk, page_size,
+        rows * num_kv_heads, sm_count(device), bulk_ok(k_cache, v_cache, device),
+    )  # fmt: skip
+    prepare([choice.kernel] + ([choice.slots] if choice.slots else []), device)  # at once
     slot_pass = None
-    if not fused:
+    if not choice.fused:
         slot_pass = make_slot_pass(
-            logical_indices, block_table, token_to_req, k_cache, order, options
+            logical_indices, block_table, token_to_req, k_cache, choice.order, options
         )
+    family, params = choice.kernel
     return DecodeLaunch(
         family.get(params, device),
-        (rows * num_kv_heads, num_splits, 1),
-        (32 * config[0], 1, 1),
-        decode_smem_bytes(head_dim, config, cluster, CLUSTER_SLOT_CAP * fused, bulk),
+        (rows * num_kv_heads, choice.num_splits, 1),
+        (32 * choice.config[0], 1, 1),
+        decode_smem_bytes(
+            head_dim, choice.config, choice.cluster, CLUSTER_SLOT_CAP * choice.fused, choice.bulk
+        ),
         device,
         slot_pass,
         -(-topk // CHUNK) * CHUNK,
         offset_bits(page_size),
         args[:8],
-        head_dim if bulk else 0,
+        head_dim if choice.bulk else 0,
         options.pdl,
     )
 
