@@ -256,6 +256,7 @@ TMA_VARIANTS = {
     "tma_4x8p4r": TmaConfig(4, 8, 4, 2, 0, 0, 112),
     "tma_4x8p4lr": TmaConfig(4, 8, 4, 2, 1, 0, 112),
     "tma_3x12p4lr": TmaConfig(3, 0, 4, 1, 1, 0, 160),  # as many stages as fit
+    "tma_2x8p4lpr": TmaConfig(2, 8, 4, 2, 1, 1, 232),  # paired at 232 (a sweep candidate)
 }
 
 
@@ -324,7 +325,7 @@ def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
 @pytest.mark.parametrize(
     "tma_variant",
     ["auto", "large", "tma_1x3", "tma_2x4p2q1", "tma_4x16p2", "tma_1x3q1l", "tma_2x4l", "tma_4x16p4l",
-     "tma_2x4lp", "tma_3x0lp", "tma_4x8p4lr", "tma_3x12p4lr"],
+     "tma_2x4lp", "tma_3x0lp", "tma_4x8p4lr", "tma_3x12p4lr", "tma_2x8p4lpr"],
     indirect=True,
 )  # fmt: skip
 @pytest.mark.parametrize(
@@ -354,7 +355,7 @@ def test_gpu_tma_other_head_dims(tma_variant, dim, next_n, heads, block_size):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "tma_variant",
-    ["auto", "large", "tma_1x3", "tma_2x4lp", "tma_4x8p4lr", "tma_3x12p4lr"],
+    ["auto", "large", "tma_1x3", "tma_2x4lp", "tma_4x8p4lr", "tma_3x12p4lr", "tma_2x8p4lpr"],
     indirect=True,
 )
 @pytest.mark.parametrize("length", [0, 1, 65, 1000, 20000])

@@ -60,12 +60,25 @@ T = TmaConfig
 EVICT = ("evict", MqaLogitsOptions(kv_evict_first=True))  # the dispatcher's config, KV evict-first
 NO_EVICT = ("no-evict", MqaLogitsOptions(kv_evict_first=False))
 NO_PDL = ("no-pdl", MqaLogitsOptions(pdl=False))
+
+
 # Three consumer warpgroups at 160 registers (every weight in registers, room for the lane
 # indices) against the dispatcher's four at 112, at next_n=2 head_dim 64 and 32: session 21's
-# ncu had d64n2 issue-bound on per-tile integer work under the 112-register cap.
+# ncu had d64n2 issue-bound on per-tile integer work under the 112-register cap (run 14:
+# d64n2 55.3 against 53.6).
+# Paired tiles at next_n=2 (n = 128), not timed yet: two warpgroups at 232 registers hold two
+# accumulator sets each (the four producer warps keep 40), so each runs a tile's epilogue
+# under its next tile's MMA, with as many tiles in flight as the four unpaired warpgroups.
+# Round 14 found pairs 6 % faster at n = 64, head_dim 64 (shipped there), before setmaxnreg
+# made room for them at n = 128. Compiled here without spills at head_dim 32, 64 and 128.
+def _paired(*stages: int) -> list:
+    return [(f"2x{s}-pair-r232", MqaLogitsOptions(config=T(2, s, 4, 2, 1, 1, 232))) for s in stages]
+
+
 WIDE = {
-    "d64n2": [("3x24-r160", MqaLogitsOptions(config=T(3, 24, 4, 2, 1, 0, 160)))],
-    "d32n2": [("3x36-r160", MqaLogitsOptions(config=T(3, 36, 4, 2, 1, 0, 160)))],
+    "d64n2": [("3x24-r160", MqaLogitsOptions(config=T(3, 24, 4, 2, 1, 0, 160))), *_paired(16, 24)],
+    "d32n2": [("3x36-r160", MqaLogitsOptions(config=T(3, 36, 4, 2, 1, 0, 160))), *_paired(32, 40)],
+    **{name: _paired(8, 16) for name in ("b256n2", "b64L64kn2", "skew128n2")},
 }
 SWEEPS: dict[str, list] = {
     # The KV stream's L2 policy against the dispatcher's (tma.kv_evict_first: evict-first for
