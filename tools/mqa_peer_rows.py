@@ -62,10 +62,6 @@ NO_EVICT = ("no-evict", MqaLogitsOptions(kv_evict_first=False))
 NO_PDL = ("no-pdl", MqaLogitsOptions(pdl=False))
 
 
-# Three consumer warpgroups at 160 registers (every weight in registers, room for the lane
-# indices) against the dispatcher's four at 112, at next_n=2 head_dim 64 and 32: session 21's
-# ncu had d64n2 issue-bound on per-tile integer work under the 112-register cap (run 14:
-# d64n2 55.3 against 53.6).
 # Paired tiles at next_n=2 (n = 128), not timed yet: two warpgroups at 232 registers hold two
 # accumulator sets each (the four producer warps keep 40), so each runs a tile's epilogue
 # under its next tile's MMA, with as many tiles in flight as the four unpaired warpgroups.
@@ -75,6 +71,10 @@ def _paired(*stages: int) -> list:
     return [(f"2x{s}-pair-r232", MqaLogitsOptions(config=T(2, s, 4, 2, 1, 1, 232))) for s in stages]
 
 
+# Three consumer warpgroups at 160 registers (every weight in registers, room for the lane
+# indices) against the dispatcher's four at 112, at next_n=2 head_dim 64 and 32: session 21's
+# ncu had d64n2 issue-bound on per-tile integer work under the 112-register cap (run 14:
+# d64n2 55.3 against 53.6). And the paired configs above.
 WIDE = {
     "d64n2": [("3x24-r160", MqaLogitsOptions(config=T(3, 24, 4, 2, 1, 0, 160))), *_paired(16, 24)],
     "d32n2": [("3x36-r160", MqaLogitsOptions(config=T(3, 36, 4, 2, 1, 0, 160))), *_paired(32, 40)],
