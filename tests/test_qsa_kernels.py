@@ -20,8 +20,9 @@ from flashinfer_jit.qsa import kernels as qk
 from flashinfer_jit.qsa import plan as qsa_plan
 from flashinfer_jit.qsa import warmup as qsa_warmup
 from flashinfer_jit.qsa.op import with_options
-from flashinfer_jit.qsa.plan import Variant, decode_launch
+from flashinfer_jit.qsa.plan import SHORT_VARIANT, QsaOptions, Variant, decode_launch, launch_choice
 from flashinfer_jit.qsa.reference import qsa_decode_torch
+from flashinfer_jit.qsa.short import decode_short_family
 
 from .test_qsa import add_hazards, args_of, assert_close, make_case, ref_of
 from .test_replay import FakeKernel, qsa_args, qsa_stub, stub  # noqa: F401 (fixtures)
@@ -329,3 +330,21 @@ def test_gpu_loop_forms(monkeypatch, group, d, bulk, tmma, lean, topk):
     torch.cuda.synchronize()
     assert_close(got, ref_of(case))
     assert (got[1] == 0).all() and (got[3] == 0).all()
+
+
+def test_launch_choice_is_what_a_call_launches():
+    """plan.launch_choice, the one planner of decode_launch and the sweep tools: the single
+    pass runs after an ordering slot pass and reads its order; a fused cluster launches no
+    slot pass; the short pass is qsa_decode_short after an ordering slot pass; a refused
+    variant raises before anything is planned."""
+    options = QsaOptions()
+    single = launch_choice(Variant(), options, 16, 128, 2048, 64, 2048, 132, True)
+    assert (single.num_splits, single.cluster, single.fused, single.order) == (1, 0, False, True)
+    assert single.kernel[0] is qk.decode_form_family and single.slots is not None
+    fused = launch_choice(Variant(num_splits=4), options, 16, 128, 2048, 64, 16, 132, True)
+    assert (fused.num_splits, fused.cluster, fused.fused, fused.order) == (4, 4, True, False)
+    assert fused.kernel[0] is qk.cluster_family and fused.slots is None
+    short = launch_choice(SHORT_VARIANT, options, 16, 128, 256, 64, 4096, 132, True)
+    assert short.kernel[0] is decode_short_family and short.order and short.slots is not None
+    with pytest.raises(ValueError, match="order=False"):
+        launch_choice(Variant(order=False), options, 16, 128, 256, 64, 4096, 132, True)
