@@ -155,18 +155,13 @@ def resolve(point: Point, variant: Variant, sms: int, options: QsaOptions | None
     )  # fmt: skip
 
 
-def plans_of(choice: Choice) -> list[qk.Plan]:
-    """The kernels (family, parameters) of one resolved variant, the decode's first."""
-    return [choice.kernel] + ([choice.slots] if choice.slots else [])
-
-
 def sweep_specs(points: Iterable[Point], sms: int, clusters: qk.Clusters) -> list[KernelSpec]:
     """Every NVRTC specialization the points' variants and dispatcher launch."""
     options, plans = QsaOptions(), {}
     for point in points:
         variants = [*variants_of(point, sms, clusters).values()]
         for variant in [*variants, dispatch_variant(point, sms, clusters)]:
-            for plan in plans_of(resolve(point, variant, sms, options)):
+            for plan in resolve(point, variant, sms, options).plans():
                 plans[plan] = None
     return sorted({family.spec(params) for family, params in plans}, key=str)
 

@@ -75,14 +75,14 @@ def parse(name: str) -> grid.Point:
 
 def precompile(names, table_: dict[str, dict]) -> None:
     """Every variant's kernels of every point, compiled at once (jit_kernels.prepare), as
-    plan.launch_choice (qsa_bench_grid.resolve, plans_of) says decode_launch picks
+    plan.launch_choice (qsa_bench_grid.resolve) says decode_launch picks
     them; a variant its checks refuse is left to its row."""
     options, sms, wanted = QsaOptions(), sm_count(0), []
     for point in map(parse, names):
         for kw in table_.values():
             variant = Variant(kw["num_splits"], None, kw["config"], kw["bulk"], kw["pair"])
             try:
-                wanted += grid.plans_of(grid.resolve(point, variant, sms, options))
+                wanted += grid.resolve(point, variant, sms, options).plans()
             except ValueError:
                 continue
     prepare(list(dict.fromkeys(wanted)), 0)

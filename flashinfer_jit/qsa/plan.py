@@ -129,13 +129,21 @@ class Choice(NamedTuple):
     slot pass launches nothing)."""
 
     num_splits: int  # CTAs a (row, kv head): 1 the single pass, else a cluster of that many
-    cluster: int  # num_splits where > 1, else 0
     fused: bool  # the cluster resolves its own slots (no slot pass)
     kernel: Plan  # the decode's (family, params)
     bulk: bool  # one bulk copy per token's K and V rows
     config: tuple[int, int, int]  # (warps, stages, min CTAs)
     order: bool  # the decode reads the slot pass's row order (the single pass's)
     slots: Plan | None  # the slot pass's (family, params)
+
+    @property
+    def cluster(self) -> int:
+        """The cluster size (the kernels' CLUSTER): num_splits, 0 for the single pass."""
+        return self.num_splits if self.num_splits > 1 else 0
+
+    def plans(self) -> list[Plan]:
+        """The kernels the call launches, the decode's first (compiled at once)."""
+        return [self.kernel] + ([self.slots] if self.slots else [])
 
 
 def launch_choice(
@@ -156,7 +164,7 @@ def launch_choice(
     shape = (group, head_dim, cluster, fused, pairs * num_splits, sms)
     family, params, bulk, config, order = _kernel_choice(variant, options, *shape, can_bulk)
     slots = None if fused else slot_kernel(topk, page_size, order, options)
-    return Choice(num_splits, cluster, fused, (family, params), bulk, config, order, slots)
+    return Choice(num_splits, fused, (family, params), bulk, config, order, slots)
 
 
 def decode_launch(args: tuple, options: QsaOptions, variant: Variant) -> DecodeLaunch:
@@ -170,7 +178,7 @@ def decode_launch(args: tuple, options: QsaOptions, variant: Variant) -> DecodeL
         variant, options, num_q_heads // num_kv_heads, head_dim, topk, page_size,
         rows * num_kv_heads, sm_count(device), bulk_ok(k_cache, v_cache, device),
     )  # fmt: skip
-    prepare([choice.kernel] + ([choice.slots] if choice.slots else []), device)  # at once
+    prepare(choice.plans(), device)  # compiled at once
     slot_pass = None
     if not choice.fused:
         slot_pass = make_slot_pass(
