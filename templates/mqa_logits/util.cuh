@@ -173,8 +173,8 @@ __device__ __forceinline__ int split_point(int c, int ctas, int total) {
 // kOnePassPerThread * THREADS requests take one pass (below); more take two chunked ones.
 constexpr int kOnePassPerThread = 8;
 
-// One pass over the requests by threads [0, SCANNERS) (the block, or warp 0 alone with
-// SCANNERS 32): each takes k consecutive requests, all k loads in flight at once, and one
+// One pass over the requests by threads [0, SCANNERS) (the block, warp 0 alone with
+// SCANNERS 32, or thread 0 alone with SCANNERS 1 and at most kOnePassPerThread requests): each takes k consecutive requests, all k loads in flight at once, and one
 // scan of their sums gives the total and each request's first tile. The loads sit on every
 // CTA's critical path: one round trip, where the chunked passes took two per THREADS
 // requests (B=1024: ~3 us of a 72 us call).
@@ -190,7 +190,10 @@ __device__ __forceinline__ void one_pass_tiles(const int* __restrict__ seq_lens,
   }
   if (threadIdx.x == 0) { sched[0] = batch; sched[1] = 0; }  // past the end, unless found
   int total, start;
-  if constexpr (SCANNERS == 32) {
+  if constexpr (SCANNERS == 1) {
+    total = sum;  // one thread: its own requests are all of them
+    start = 0;
+  } else if constexpr (SCANNERS == 32) {
     const int inc = fij::warp_inclusive_scan(sum);
     total = __shfl_sync(0xffffffffu, inc, 31);
     start = inc - sum;
@@ -216,13 +219,7 @@ __device__ __forceinline__ void cta_tiles(const int* __restrict__ schedule, cons
     // scan and search held every CTA's first copy: B=1 L=8K 3.2-3.3 -> 2.8-3.0 us (H200,
     // MQA round 24, variant "b1"), below a given schedule's 2.9-3.1. (Not in the setmaxnreg
     // kernels, WARP false: the branch's code spilled 16 bytes at next_n=3.)
-    if (threadIdx.x == 0) {
-      const int total = tiles_of(seq_lens[0]);
-      const int x0 = split_point(blockIdx.x, gridDim.x, total), x1 = split_point(blockIdx.x + 1, gridDim.x, total);
-      sched[0] = x0 < total ? 0 : batch;  // past the end: (batch, 0), as one_pass_tiles
-      sched[1] = x0 < total ? x0 : 0;
-      sched[2] = x1 - x0;
-    }
+    if (threadIdx.x == 0) one_pass_tiles<1, THREADS>(seq_lens, sl_stride, batch, red, sched);
   } else if (WARP && schedule == nullptr && batch <= 32 * kOnePassPerThread) {
     // Up to 256 requests: warp 0 alone. The block-wide scan's two barriers held every CTA's
     // first copy: B=1 L=8K 3.74 -> 3.53 us, B=32 11.71 -> 11.46, the skewed B=32 row 11.62
