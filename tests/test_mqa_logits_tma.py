@@ -17,6 +17,7 @@ from flashinfer_jit.mqa_logits.tma import (
     EVICT_WIDE_MIN_BATCH,
     LEAN_REGS,
     NARROW_CONFIG,
+    PAIRED_WIDE_CONFIG,
     RING_STAGES,
     SMALL_CONFIG,
     TMA_DIMS,
@@ -117,9 +118,8 @@ def test_dispatch_picks_the_tma_kernel_where_it_applies(
     plan = plan_of(256, (2, 64, dim, 64), 8192, options)
     assert got[-1][0] == family
     if family == "mqa_logits_tma":
-        config = (
-            tma_config(128, 0, dim) if override is None else override._replace(stages=got[-1][1][8])
-        )
+        forced = override._replace(stages=got[-1][1][8]) if override else None
+        config = forced or tma_config(128, 0, dim, 2)
         assert config.stages > 0
         assert got[-1][1] == (2, 64, dim, 64, f32, f32, f32, *config)
         assert plan.block == (tma_threads(config.warpgroups, config.producers), 1, 1)
@@ -150,7 +150,8 @@ def test_small_calls_take_two_shallow_warpgroups():
     assert tma_config(128, 0, 128, 4) == WIDE_REGS_CONFIGS[128] == TmaConfig(3, 12, 4, 2, 1, 0, 160)
     assert tma_config(192, 0, 64, 3) == TmaConfig(3, 18, 3, 2)  # (measured at head_dim 128 only)
     assert tma_config(128, 0, 64, 2) == TmaConfig(4, 20, 4, 2, 1, 0, LEAN_REGS)
-    assert tma_config(128, 0, 128, 2) == TmaConfig(4, 8, 4, 2, 1, 0, LEAN_REGS)
+    assert tma_config(128, 0, 128, 2) == PAIRED_WIDE_CONFIG == TmaConfig(2, 16, 4, 2, 1, 1, 232)
+    assert tma_config(128, 0, 96, 2) == TmaConfig(4, 12, 4, 2, 1, 0, LEAN_REGS)
     assert tma_config(128, 0, 64, 4) == TmaConfig(4, 20, 4, 2)  # the lean loop: next_n <= 2
     # Other head dims keep the bytes in flight: twice the stages at 64, half at 256; below
     # 128 the other calls at n <= 64 take four warpgroups, and the lean loop.
@@ -256,7 +257,7 @@ TMA_VARIANTS = {
     "tma_4x8p4r": TmaConfig(4, 8, 4, 2, 0, 0, 112),
     "tma_4x8p4lr": TmaConfig(4, 8, 4, 2, 1, 0, 112),
     "tma_3x12p4lr": TmaConfig(3, 0, 4, 1, 1, 0, 160),  # as many stages as fit
-    "tma_2x8p4lpr": TmaConfig(2, 8, 4, 2, 1, 1, 232),  # paired at 232 (a sweep candidate)
+    "tma_2x8p4lpr": TmaConfig(2, 8, 4, 2, 1, 1, 232),  # paired at 232 (shipped: 2 x 16)
 }
 
 
@@ -303,8 +304,9 @@ def _served_by_tma() -> bool:
 @pytest.mark.parametrize("tma_variant", list(TMA_VARIANTS), indirect=True)
 @pytest.mark.parametrize(
     "next_n,heads,block_size",
-    [(1, 64, 64), (2, 32, 32), (3, 64, 128), (4, 64, 64), (2, 4, 64), (1, 32, 128), (4, 32, 32)],
-)
+    [(1, 64, 64), (2, 32, 32), (3, 64, 128), (4, 64, 64), (2, 4, 64), (1, 32, 128), (4, 32, 32),
+     (2, 64, 64)],
+)  # fmt: skip
 def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
     four = (TMA_VARIANTS["tma_4x16p2"], TMA_VARIANTS["tma_4x16p4l"])
     if tma_variant.config in four and next_n * heads > 64:

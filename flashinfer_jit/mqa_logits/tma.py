@@ -181,6 +181,9 @@ PAIRED_CONFIG = TmaConfig(3, 9, 3, 2, 1, 1)  # the other calls at n = 64, head_d
 # consumer thread; at next_n 3-4 (n = 128, 192), head_dim 128 (the one measured), 3
 # warpgroups at 160 with four producer warps.
 LEAN_REGS = 112
+# Paired tiles at 232 registers (two warpgroups, two accumulator sets each, 16 stages) for
+# the other calls at next_n = 2, n = 128, head_dim 128 (see tma_config).
+PAIRED_WIDE_CONFIG = TmaConfig(2, 16, 4, 2, 1, 1, 232)
 WIDE_REGS_CONFIGS = {128: TmaConfig(3, 12, 4, 2, 1, 0, 160), 192: TmaConfig(3, 12, 4, 1, 1, 0, 160)}
 
 
@@ -224,6 +227,10 @@ def tma_config(n: int, small: int = 0, dim: int = 128, next_n: int = 1) -> TmaCo
       112 registers at n = 128, next_n <= 2 (head_dim 32 8 %, 64 6 %, 128 1-2 % faster than
       before), and WIDE_REGS_CONFIGS' 3 warpgroups at 160 at next_n 3-4, head_dim 128
       (next_n=3 H=64 8 %, next_n=4 H=32 4-6 % faster).
+    - PAIRED_WIDE_CONFIG at next_n = 2, n = 128, head_dim 128 (round 25: 2.7-4.3 % faster
+      than the 4 x 8 lean loop at 112 registers over eleven shapes of 16-256 requests x
+      8K-128K tokens, one process; faster or level in six earlier ones; at head_dim 64
+      slower, 32 level, 96 mixed).
     """
     if small and n <= 64:
         return _deeper(SMALL_CONFIG, n, dim)._replace(lean=int(dim <= 128 and next_n <= 2))
@@ -234,6 +241,8 @@ def tma_config(n: int, small: int = 0, dim: int = 128, next_n: int = 1) -> TmaCo
         return config
     if next_n > 2:
         return WIDE_REGS_CONFIGS.get(n, config) if dim == 128 else config
+    if n == 128 and next_n == 2 and dim == 128:
+        return PAIRED_WIDE_CONFIG
     if n == 128:
         return config._replace(lean=1, regs=LEAN_REGS)
     return config._replace(lean=1) if dim < 128 or n <= 64 else config
