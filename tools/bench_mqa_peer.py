@@ -5,8 +5,9 @@
 Per row: independent input sets (own KV pool, tables, lengths, q, weights) until the
 working set passes 240 MB (4x the H200's L2), at most 8, since a serving step reads a
 different layer's cache in every call. Both sides are checked against a float64 reference
-on a few requests, then timed by one helper: the calls of all sets captured back to back
-in one CUDA graph, median replay / calls; rows with B <= 32 also eager (one call between
+on a few requests, then timed by one helper: per side, the calls of all sets captured back
+to back in one CUDA graph, the sides' replays alternating rep by rep, median replay /
+calls; rows with B <= 32 also eager (one call between
 two events, cycling the sets). DeepGEMM (imported from --deepgemm when given, else from
 the path; its column is skipped when it cannot be imported) gets
 `fp8_fp4_paged_mqa_logits((q, None), kv, w, context_lens_2d, block_table, schedule,
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_util import warm_gpu  # noqa: E402
 from mqa_logits_probe import probe_options, variant  # noqa: E402
-from mqa_peer_rows import ROWS, SWEEPS, VARIANT_CONFIGS, VARIANT_ROWS, VARIANTS, Row  # noqa: E402
+from mqa_peer_rows import EXTRA_ROWS, ROWS, SWEEPS, VARIANT_CONFIGS, VARIANT_ROWS, VARIANTS, Row  # noqa: E402
 
 import flashinfer_jit.mqa_logits as mq  # noqa: E402
 from flashinfer_jit.mqa_logits import MqaLogitsOptions  # noqa: E402
@@ -117,25 +118,49 @@ def check(logits: torch.Tensor, s: dict, row: Row, requests: int = 3) -> None:
                 raise AssertionError(f"request {b} slot {t}: max error {float(err.max())}")
 
 
-def per_call_in_graph(calls: list[Callable[[], object]], reps: int) -> float:
-    """All calls captured back to back in one graph: median replay / calls (us)."""
-    keep = [c() for c in calls]  # compile, load; outputs live as long as the graph
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        keep += [c() for c in calls]
+def per_call_in_graphs(
+    sides: dict[str, list[Callable[[], object]]], reps: int, sequential: bool = False
+) -> dict[str, float]:
+    """Each side's calls captured back to back in one CUDA graph; the sides' replays then
+    alternate rep by rep (the order rotating), so the clock and power state of each moment
+    hit every side alike, each replay after a clean read of twice the L2: median replay /
+    calls (us). (Session 25: timed one side after another, the first side of a row read
+    1-2.5 % slower than the same kernel timed later in the row; alternating without the
+    read, an evict-first kernel replayed after DeepGEMM read up to 6 % faster than itself
+    elsewhere in the rotation: its stream evicted its own lines first and hit the last
+    set's lines DeepGEMM's normal-policy reads had left in L2.) ``sequential``: the
+    protocol of runs 1-15 instead, each side's reps back to back with no read between."""
+    scrub = torch.empty(int(2 * SET_BYTES / 4 / 4), device="cuda")  # 2x L2, float32
+    sink = torch.empty((), device="cuda")
+    graphs, keep = {}, []
+    for name, calls in sides.items():
+        keep += [c() for c in calls]  # compile, load; outputs live as long as the graphs
+        torch.cuda.synchronize()
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            keep += [c() for c in calls]
+    names = list(graphs)
     for _ in range(3):
-        graph.replay()
+        for name in names:
+            graphs[name].replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    del keep
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    rounds = (
+        [[name] * reps for name in names]
+        if sequential
+        else [names[i % len(names) :] + names[: i % len(names)] for i in range(reps)]
+    )
+    for order in rounds:
+        for name in order:
+            if not sequential:
+                torch.sum(scrub, dim=None, out=sink)  # L2 holds none of any side's sets
+            start.record()
+            graphs[name].replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3 / len(sides[name]))
+    del keep, graphs
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def eager(sides: dict[str, list[Callable[[], object]]], reps: int) -> dict[str, float]:
@@ -238,13 +263,19 @@ def candidate_sides(row: Row, variants: bool, probes: bool) -> dict:
     return sides
 
 
-def run_row(
-    row: Row, dg, reps: int, sweep: bool, probes: bool, gen: torch.Generator, variants: bool = False
-) -> dict:
-    per_set = row.batch * (0.85 * row.length + row.long) * (row.dim + 4)
+def input_sets(row: Row, gen: torch.Generator) -> tuple[list[dict], float]:
+    """The row's independent input sets (past SET_BYTES, 2 to 8) and its byte floor (us)."""
+    # (the skewed rows' one long request replaces a short one: counting it per request put
+    # the skewed B=32 row's two sets, 46 MB, inside the L2 until session 25)
+    tokens_per_set = (row.batch - (1 if row.long else 0)) * 0.85 * row.length + row.long
+    per_set = tokens_per_set * (row.dim + 4)
     sets = [make_set(row, gen) for _ in range(int(min(8, max(2, -(-SET_BYTES // per_set)))))]
     tokens = statistics.mean(float(s["lens"].sum()) for s in sets)
-    res = {"floor": tokens * (row.dim + 4 + 4 * row.next_n) / BW * 1e6, "sets": len(sets)}
+    return sets, tokens * (row.dim + 4 + 4 * row.next_n) / BW * 1e6
+
+
+def row_sides(row: Row, dg, first: dict, args: argparse.Namespace) -> dict:
+    """What a row times, by name: each a function of an input set returning its call."""
     sides = {"ours": lambda s: ours(s)}
     if deepgemm_supports(row):
         sides["ours_dg_api"] = ours_dg_api
@@ -253,26 +284,25 @@ def run_row(
     sides["sched"] = lambda s: ours(s, schedule=mq.compute_paged_mqa_logits_schedule(s["lens"]))
     if dg is not None and deepgemm_supports(row):
         sides["deepgemm"] = lambda s: theirs(dg, s)
-    if sweep and row.head_dim_fits_tma():
+    if args.sweep and row.head_dim_fits_tma():
         # the dispatcher's config with the other consumer loop (sm90_tma_wgmma.cuh, LEAN)
         def flipped(s: dict) -> Callable[[], torch.Tensor]:
             config = dispatcher_config(row, s)
             return ours(s, config._replace(lean=1 - config.lean, pair=0))
 
-        sides["plain" if dispatcher_config(row, sets[0]).lean else "lean"] = flipped
-    for config in SWEEPS.get(row.name, []) if sweep else []:
-        if not isinstance(config, TmaConfig):  # (name, MqaLogitsOptions); TmaConfig is a tuple too
-            sides[config[0]] = lambda s, o=config[1]: ours(s, options=o)
-            continue
-        name = f"tma{config.warpgroups}x{config.stages}p{config.producers}q{config.qbuf}"
-        name += ("l" if config.lean else "") + ("-pair" if config.pair else "")
-        name += f"r{config.regs}" if config.regs else ""
-        sides[name] = lambda s, c=config: ours(s, c)
-    for name, make in candidate_sides(row, variants, probes).items():
+        sides["plain" if dispatcher_config(row, first).lean else "lean"] = flipped
+    for name, options in SWEEPS.get(row.name, []) if args.sweep else []:
+        sides[name] = lambda s, o=options: ours(s, options=o)
+    for name, make in candidate_sides(row, args.variants, args.probes).items():
         sides.setdefault(name, make)  # (a sweep's "plain" is the probes' too)
-    res["served"] = ""
-    eager_calls = {}
-    for name, make in sides.items():
+    return sides
+
+
+def run_row(row: Row, dg, args: argparse.Namespace, gen: torch.Generator) -> dict:
+    sets, floor = input_sets(row, gen)
+    res = {"floor": floor, "sets": len(sets), "served": ""}
+    checked = {}
+    for name, make in row_sides(row, dg, sets[0], args).items():
         try:
             calls = [make(s) for s in sets]
             if name == "ours":
@@ -281,13 +311,14 @@ def run_row(
                 check(calls[0](), sets[0], row)
             if name == "ours":
                 res["served"] = " ".join(p.kernel.name[-60:] for p in mq_plan._plans.values())
-            res[name] = per_call_in_graph(calls, reps)
-            if row.batch <= 32 and name in ("ours", "ours_dg_api", "deepgemm"):
-                eager_calls[name] = calls
+            checked[name] = calls
         except Exception as exc:  # report and keep going
             print(f"  {row.name} {name} failed: {exc!r}", flush=True)
             traceback.print_exc(limit=3)
-    res.update(eager(eager_calls, reps))
+    res.update(per_call_in_graphs(checked, args.reps, args.sequential))
+    mine = ("ours", "ours_dg_api", "deepgemm")
+    small = row.batch <= 32
+    res.update(eager({n: c for n, c in checked.items() if n in mine and small}, args.reps))
     return res
 
 
@@ -295,43 +326,7 @@ def fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--deepgemm", help="folder holding DeepGEMM's built deep_gemm package")
-    parser.add_argument("--rows", help="comma-separated row names (default: all)")
-    parser.add_argument("--sweep", action="store_true", help="also time SWEEPS' forced configs")
-    parser.add_argument("--probes", action="store_true", help="also time the timing probes")
-    parser.add_argument("--variants", action="store_true", help="also time VARIANTS")
-    parser.add_argument("--reps", type=int, default=60)
-    parser.add_argument("--ncu", action="store_true", help="two untimed calls a side (ncu)")
-    args = parser.parse_args()
-    if args.deepgemm:
-        sys.path.insert(0, args.deepgemm)
-    try:
-        import deep_gemm as dg
-    except Exception as exc:  # the peer's column is skipped
-        print(f"DeepGEMM not importable ({exc!r}): its column is skipped")
-        dg = None
-    rows = [r for r in ROWS if not args.rows or r.name in args.rows.split(",")]
-    if args.ncu:
-        ncu_calls(rows, dg)
-        return
-    warm_gpu()
-    gen = torch.Generator().manual_seed(0)
-    table = []
-    for row in rows:
-        try:
-            res = run_row(row, dg, args.reps, args.sweep, args.probes, gen, args.variants)
-        except Exception:  # one row's failure must not lose the other rows' figures
-            traceback.print_exc()
-            continue
-        table.append((row, res))
-        print(
-            row.name,
-            {k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()},
-            flush=True,
-        )
-        torch.cuda.empty_cache()
+def print_table(table: list[tuple[Row, dict]]) -> None:
     print("\nper call in a CUDA graph (us); eager for B <= 32; inputs cycled past 4x L2")
     print(
         "| row | B | next_n | H | D | block | L | floor | DeepGEMM | ours | ours/DG | % floor | eager DG | eager ours | others |"
@@ -349,6 +344,54 @@ def main() -> None:
             f"| {fmt(r['floor'])} | {fmt(d)} | {fmt(o)} | {ratio} | {pct} | {fmt(r.get('deepgemm_eager'))} "
             f"| {fmt(r.get('ours_eager'))} | {extra} |"
         )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--deepgemm", help="folder holding DeepGEMM's built deep_gemm package")
+    parser.add_argument("--rows", help="comma-separated row names (default: all)")
+    parser.add_argument("--sweep", action="store_true", help="also time SWEEPS' forced configs")
+    parser.add_argument("--probes", action="store_true", help="also time the timing probes")
+    parser.add_argument("--variants", action="store_true", help="also time VARIANTS")
+    parser.add_argument("--reps", type=int, default=60)
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="each side's reps back to back, no L2 read between (runs 1-15's protocol)",
+    )
+    parser.add_argument("--ncu", action="store_true", help="two untimed calls a side (ncu)")
+    args = parser.parse_args()
+    if args.deepgemm:
+        sys.path.insert(0, args.deepgemm)
+    try:
+        import deep_gemm as dg
+    except Exception as exc:  # the peer's column is skipped
+        print(f"DeepGEMM not importable ({exc!r}): its column is skipped")
+        dg = None
+    named = args.rows.split(",") if args.rows else []
+    rows = [r for r in ROWS if not named or r.name in named] + [
+        r for r in EXTRA_ROWS if r.name in named
+    ]
+    if args.ncu:
+        ncu_calls(rows, dg)
+        return
+    warm_gpu()
+    gen = torch.Generator().manual_seed(0)
+    table = []
+    for row in rows:
+        try:
+            res = run_row(row, dg, args, gen)
+        except Exception:  # one row's failure must not lose the other rows' figures
+            traceback.print_exc()
+            continue
+        table.append((row, res))
+        print(
+            row.name,
+            {k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()},
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    print_table(table)
 
 
 if __name__ == "__main__":

@@ -51,24 +51,36 @@ ROWS = [
     Row("blk32", 256, 1, 64, 8192, block=32),
     Row("blk128", 256, 1, 64, 8192, block=128),
 ]
-# --sweep: per row, forced TMA configs (warpgroups, stages, producer warps, Q buffers[, lean[,
-# pair[, regs]]]; "-pair": paired tiles, "rN": N registers a consumer thread) or ("name", MqaLogitsOptions) for other options (say
-# l2_promotion=256). Every TMA row also times the dispatcher's config with the other
-# consumer loop: "lean" where the dispatcher takes the plain one, "plain" (unpaired) where
-# it takes the lean one.
+# Rows outside the table, timed only when --rows names them: next_n=2 H=64 calls from
+# 16 to 256 requests of 16K-128K tokens, where session 25 timed paired tiles (2 x 16 at 232
+# registers) beside the 4 x 8 at 112 they replaced (SWEEPS below).
+EXTRA_ROWS = [
+    Row(f"b{b}L{length // 1024}kn2", b, 2, 64, length)
+    for b, length in ((16, 131072), (32, 131072), (32, 65536), (64, 32768), (128, 32768),
+                      (128, 16384), (256, 16384), (32, 32768))
+]  # fmt: skip
+# --sweep: per row, ("name", MqaLogitsOptions) pairs: a forced TMA config (TmaConfig's
+# fields; in names "AxB": warpgroups x stages, "-pair": paired tiles, "rN": N registers a
+# consumer thread) or other options (say l2_promotion=256). Every TMA row also times the
+# dispatcher's config with the other consumer loop: "lean" where the dispatcher takes the
+# plain one, "plain" (unpaired) where it takes the lean one.
 T = TmaConfig
 EVICT = ("evict", MqaLogitsOptions(kv_evict_first=True))  # the dispatcher's config, KV evict-first
 NO_EVICT = ("no-evict", MqaLogitsOptions(kv_evict_first=False))
 NO_PDL = ("no-pdl", MqaLogitsOptions(pdl=False))
 
 
-# Paired tiles at next_n=2 (n = 128), not timed yet: two warpgroups at 232 registers hold two
-# accumulator sets each (the four producer warps keep 40), so each runs a tile's epilogue
-# under its next tile's MMA, with as many tiles in flight as the four unpaired warpgroups.
-# Round 14 found pairs 6 % faster at n = 64, head_dim 64 (shipped there), before setmaxnreg
-# made room for them at n = 128. Compiled here without spills at head_dim 32, 64 and 128.
+# Paired tiles at next_n=2 (n = 128): two warpgroups at 232 registers hold two accumulator
+# sets each (the four producer warps keep 40), so each runs a tile's epilogue under its
+# next tile's MMA, with as many tiles in flight as the four unpaired warpgroups. Round 14
+# found pairs 6 % faster at n = 64, head_dim 64 (shipped there), before setmaxnreg made room
+# for them at n = 128; session 25 shipped 2 x 16 at head_dim 128 (tma.PAIRED_WIDE_CONFIG),
+# timed here beside the config it replaced ("4x8-r112"); at head_dim 96 it measured mixed.
 def _paired(*stages: int) -> list:
     return [(f"2x{s}-pair-r232", MqaLogitsOptions(config=T(2, s, 4, 2, 1, 1, 232))) for s in stages]
+
+
+UNPAIRED = ("4x8-r112", MqaLogitsOptions(config=T(4, 8, 4, 2, 1, 0, 112)))
 
 
 # Three consumer warpgroups at 160 registers (every weight in registers, room for the lane
@@ -78,7 +90,9 @@ def _paired(*stages: int) -> list:
 WIDE = {
     "d64n2": [("3x24-r160", MqaLogitsOptions(config=T(3, 24, 4, 2, 1, 0, 160))), *_paired(16, 24)],
     "d32n2": [("3x36-r160", MqaLogitsOptions(config=T(3, 36, 4, 2, 1, 0, 160))), *_paired(32, 40)],
-    **{name: _paired(8, 16) for name in ("b256n2", "b64L64kn2", "skew128n2")},
+    **{name: [UNPAIRED] for name in ("b256n2", "b64L64kn2", "skew128n2")},
+    "d96n2": _paired(16),
+    **{row.name: [UNPAIRED] for row in EXTRA_ROWS},
 }
 SWEEPS: dict[str, list] = {
     # The KV stream's L2 policy against the dispatcher's (tma.kv_evict_first: evict-first for
@@ -96,6 +110,7 @@ SWEEPS: dict[str, list] = {
     **{row.name: [NO_EVICT if kv_evict_first(0, row.batch, (row.next_n, row.heads, row.dim)) else EVICT,
                   *WIDE.get(row.name, ())]
        for row in ROWS if row.batch >= 64},
+    **{row.name: WIDE[row.name] for row in EXTRA_ROWS},
 }  # fmt: skip
 
 
