@@ -316,7 +316,8 @@ def run_row(row: Row, dg, args: argparse.Namespace, gen: torch.Generator) -> dic
             print(f"  {row.name} {name} failed: {exc!r}", flush=True)
             traceback.print_exc(limit=3)
     res.update(per_call_in_graphs(checked, args.reps, args.sequential))
-    mine = ("ours", "ours_dg_api", "deepgemm")
+    # ("no-pdl" too: whether the programmatic launch costs an eager call on an idle GPU)
+    mine = ("ours", "ours_dg_api", "deepgemm", "no-pdl")
     small = row.batch <= 32
     res.update(eager({n: c for n, c in checked.items() if n in mine and small}, args.reps))
     return res
