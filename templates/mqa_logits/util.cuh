@@ -174,10 +174,11 @@ __device__ __forceinline__ int split_point(int c, int ctas, int total) {
 constexpr int kOnePassPerThread = 8;
 
 // One pass over the requests by threads [0, SCANNERS) (the block, warp 0 alone with
-// SCANNERS 32, or thread 0 alone with SCANNERS 1 and at most kOnePassPerThread requests): each takes k consecutive requests, all k loads in flight at once, and one
-// scan of their sums gives the total and each request's first tile. The loads sit on every
-// CTA's critical path: one round trip, where the chunked passes took two per THREADS
-// requests (B=1024: ~3 us of a 72 us call).
+// SCANNERS 32, or thread 0 alone with SCANNERS 1 and at most kOnePassPerThread requests):
+// each takes k consecutive requests, all k loads in flight at once, and one scan of their
+// sums gives the total and each request's first tile. The loads sit on every CTA's critical
+// path: one round trip, where the chunked passes took two per THREADS requests (B=1024:
+// ~3 us of a 72 us call).
 template <int SCANNERS, int THREADS>
 __device__ __forceinline__ void one_pass_tiles(const int* __restrict__ seq_lens, long long sl_stride, int batch,
                                                int* red, int* sched) {
