@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_util import warm_gpu  # noqa: E402
+from bench_util import PROTOCOLS, eager, per_call_in_graphs, warm_gpu  # noqa: E402
 from mqa_logits_probe import probe_options, variant  # noqa: E402
 from mqa_peer_rows import EXTRA_ROWS, ROWS, SWEEPS, VARIANT_CONFIGS, VARIANT_ROWS, VARIANTS, Row  # noqa: E402
 
@@ -116,67 +116,6 @@ def check(logits: torch.Tensor, s: dict, row: Row, requests: int = 3) -> None:
             err = (logits[b * row.next_n + t, :valid].double() - ref).abs()
             if not bool((err <= 2e-3 * mag + 1e-6).all()):
                 raise AssertionError(f"request {b} slot {t}: max error {float(err.max())}")
-
-
-def per_call_in_graphs(
-    sides: dict[str, list[Callable[[], object]]], reps: int, sequential: bool = False
-) -> dict[str, float]:
-    """Each side's calls captured back to back in one CUDA graph; the sides' replays then
-    alternate rep by rep (the order rotating), so the clock and power state of each moment
-    hit every side alike, each replay after a clean read of twice the L2: median replay /
-    calls (us). (Session 25: timed one side after another, the first side of a row read
-    1-2.5 % slower than the same kernel timed later in the row; alternating without the
-    read, an evict-first kernel replayed after DeepGEMM read up to 6 % faster than itself
-    elsewhere in the rotation: its stream evicted its own lines first and hit the last
-    set's lines DeepGEMM's normal-policy reads had left in L2.) ``sequential``: the
-    protocol of runs 1-15 instead, each side's reps back to back with no read between."""
-    scrub = torch.empty(int(2 * SET_BYTES / 4 / 4), device="cuda")  # 2x L2, float32
-    sink = torch.empty((), device="cuda")
-    graphs, keep = {}, []
-    for name, calls in sides.items():
-        keep += [c() for c in calls]  # compile, load; outputs live as long as the graphs
-        torch.cuda.synchronize()
-        graphs[name] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[name]):
-            keep += [c() for c in calls]
-    names = list(graphs)
-    for _ in range(3):
-        for name in names:
-            graphs[name].replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    rounds = (
-        [[name] * reps for name in names]
-        if sequential
-        else [names[i % len(names) :] + names[: i % len(names)] for i in range(reps)]
-    )
-    for order in rounds:
-        for name in order:
-            if not sequential:
-                torch.sum(scrub, dim=None, out=sink)  # L2 holds none of any side's sets
-            start.record()
-            graphs[name].replay()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) * 1e3 / len(sides[name]))
-    del keep, graphs
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def eager(sides: dict[str, list[Callable[[], object]]], reps: int) -> dict[str, float]:
-    """One call between two events, cycling the sets (host and launch included); the
-    sides alternate call by call, so clock changes hit both alike."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for i in range(reps):
-        for name, calls in sides.items():
-            torch.cuda.synchronize()
-            start.record()
-            calls[i % len(calls)]()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) * 1e3)
-    return {f"{name}_eager": statistics.median(t) for name, t in times.items()}
 
 
 def ncu_calls(rows: list[Row], dg) -> None:
@@ -315,7 +254,7 @@ def run_row(row: Row, dg, args: argparse.Namespace, gen: torch.Generator) -> dic
         except Exception as exc:  # report and keep going
             print(f"  {row.name} {name} failed: {exc!r}", flush=True)
             traceback.print_exc(limit=3)
-    res.update(per_call_in_graphs(checked, args.reps, args.sequential))
+    res.update(per_call_in_graphs(checked, args.reps, args.protocol))
     # ("no-pdl" too: whether the programmatic launch costs an eager call on an idle GPU)
     mine = ("ours", "ours_dg_api", "deepgemm", "no-pdl")
     small = row.batch <= 32
@@ -356,9 +295,11 @@ def main() -> None:
     parser.add_argument("--variants", action="store_true", help="also time VARIANTS")
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument(
-        "--sequential",
-        action="store_true",
-        help="each side's reps back to back, no L2 read between (runs 1-15's protocol)",
+        "--protocol",
+        choices=PROTOCOLS,
+        default="alt",
+        help="graph timing: alt (sides alternating after a clean L2 read), seq (runs 1-15's), "
+        "seq-busy (seq with the GPU busy at each start event)",
     )
     parser.add_argument("--ncu", action="store_true", help="two untimed calls a side (ncu)")
     args = parser.parse_args()
