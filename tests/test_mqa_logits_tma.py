@@ -305,7 +305,7 @@ def _served_by_tma() -> bool:
 @pytest.mark.parametrize(
     "next_n,heads,block_size",
     [(1, 64, 64), (2, 32, 32), (3, 64, 128), (4, 64, 64), (2, 4, 64), (1, 32, 128), (4, 32, 32),
-     (2, 64, 64)],
+     (2, 64, 64), (2, 64, 128)],
 )  # fmt: skip
 def test_gpu_tma_matches_reference(tma_variant, next_n, heads, block_size):
     four = (TMA_VARIANTS["tma_4x16p2"], TMA_VARIANTS["tma_4x16p4l"])
