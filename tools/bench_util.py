@@ -20,49 +20,45 @@ def warm_gpu(seconds: float = 0.5) -> None:
         torch.cuda.synchronize()
 
 
-# The timing protocols of per_call_in_graphs; the L2 a replay must not find its sets in.
-PROTOCOLS = ("alt", "seq", "seq-busy")
+# How time_replays orders and separates the timed replays: "alt" the sides alternating rep
+# by rep (the order rotating), each replay after a clean read of twice the L2; "rounds" the
+# same without the read or the rotation (QSA's tools until a re-baseline); "seq" each side's
+# reps back to back (MQA runs 1-15); "seq-busy" that with a ~30 us spin kernel queued before
+# each start event (the GPU busy when the timed span opens).
+PROTOCOLS = ("alt", "rounds", "seq", "seq-busy")
 L2_BYTES = 60e6  # the H200's 60 MiB L2, rounded (what the clean read covers twice)
 SPIN_CYCLES = 50_000  # ~30 us at the H200's clocks
 
 
-def per_call_in_graphs(
-    sides: dict[str, list[Callable[[], object]]], reps: int, protocol: str = "alt"
+def time_replays(
+    graphs: dict[str, torch.cuda.CUDAGraph],
+    calls: dict[str, int] | int,
+    reps: int,
+    protocol: str = "alt",
 ) -> dict[str, float]:
-    """Each side's calls captured back to back in one CUDA graph; the sides' replays then
-    alternate rep by rep (the order rotating), so the clock and power state of each moment
-    hit every side alike, each replay after a clean read of twice the L2: median replay /
-    calls (us). (Session 25: timed one side after another, the first side of a row read
-    1-2.5 % slower than the same kernel timed later in the row; alternating without the
-    read, an evict-first kernel replayed after DeepGEMM read up to 6 % faster than itself
-    elsewhere in the rotation: its stream evicted its own lines first and hit the last
-    set's lines DeepGEMM's normal-policy reads had left in L2.) PROTOCOLS names the others:
-    "seq", runs 1-15's (each side's reps back to back, nothing between), and "seq-busy",
-    the same with a ~30 us spin kernel queued before each start event (the GPU busy when
-    the timed span opens, the L2 as the side's own last replay left it)."""
-    scrub = torch.empty(int(2 * L2_BYTES / 4), device="cuda")  # 2x L2, float32
+    """Median µs per call of each graph (``calls``: the calls a replay of it makes), its
+    replays timed one at a time between two events as ``protocol`` says (PROTOCOLS).
+    (Session 25, MQA: timed one side after another, the first side of a row read 1-2.5 %
+    slower than the same kernel timed later in the row; alternating without the read, an
+    evict-first kernel replayed after DeepGEMM read up to 6 % faster than itself elsewhere
+    in the rotation: its stream evicted its own lines first and hit the last set's lines
+    DeepGEMM's normal-policy reads had left in L2.)"""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol {protocol!r}: one of {PROTOCOLS}")
+    scrub = torch.empty(int(2 * L2_BYTES / 4), device="cuda") if protocol == "alt" else None
     sink = torch.empty((), device="cuda")
-    graphs, keep = {}, []
-    for name, calls in sides.items():
-        keep += [c() for c in calls]  # compile, load; outputs live as long as the graphs
-        torch.cuda.synchronize()
-        graphs[name] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[name]):
-            keep += [c() for c in calls]
     names = list(graphs)
-    for _ in range(3):
-        for name in names:
-            graphs[name].replay()
+    if protocol.startswith("seq"):
+        rounds = [[name] * reps for name in names]
+    elif protocol == "alt":
+        rounds = [names[i % len(names) :] + names[: i % len(names)] for i in range(reps)]
+    else:
+        rounds = [names] * reps
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times: dict[str, list[float]] = {name: [] for name in names}
-    rounds = (
-        [[name] * reps for name in names]
-        if protocol != "alt"
-        else [names[i % len(names) :] + names[: i % len(names)] for i in range(reps)]
-    )
     for order in rounds:
         for name in order:
-            if protocol == "alt":
+            if scrub is not None:
                 torch.sum(scrub, dim=None, out=sink)  # L2 holds none of any side's sets
             elif protocol == "seq-busy":
                 torch.cuda._sleep(SPIN_CYCLES)
@@ -70,9 +66,29 @@ def per_call_in_graphs(
             graphs[name].replay()
             end.record()
             end.synchronize()
-            times[name].append(start.elapsed_time(end) * 1e3 / len(sides[name]))
-    del keep, graphs
+            n = calls if isinstance(calls, int) else calls[name]
+            times[name].append(start.elapsed_time(end) * 1e3 / n)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def per_call_in_graphs(
+    sides: dict[str, list[Callable[[], object]]], reps: int, protocol: str = "alt"
+) -> dict[str, float]:
+    """Each side's calls captured back to back in one CUDA graph, replayed three times,
+    then timed by time_replays: median µs per call."""
+    graphs, keep = {}, []
+    for name, calls in sides.items():
+        keep += [c() for c in calls]  # compile, load; outputs live as long as the graphs
+        torch.cuda.synchronize()
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            keep += [c() for c in calls]
+    for _ in range(3):
+        for graph in graphs.values():
+            graph.replay()
+    result = time_replays(graphs, {name: len(c) for name, c in sides.items()}, reps, protocol)
+    del keep, graphs
+    return result
 
 
 def eager(sides: dict[str, list[Callable[[], object]]], reps: int) -> dict[str, float]:

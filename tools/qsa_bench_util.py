@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from bench_util import time_replays
 
 from flashinfer_jit._jit import cuda_device_index
 from flashinfer_jit._version import __version__
@@ -24,6 +25,7 @@ from flashinfer_jit.qsa.checks import offset_bits
 from flashinfer_jit.qsa.reference import qsa_decode_torch
 from jit_kernels import I32, I64, PTR, U32, KernelBuilder, KernelFamily, current_stream
 
+QSA_PROTOCOL = "rounds"  # bench_util.PROTOCOLS: the order every QSA run so far was timed in
 BANDWIDTH = 4.24e6  # bytes per microsecond (measured device-to-device copy on the H200)
 PAGE, HEAD_DIM = 64, 128
 L2_CYCLE_BYTES = 240e6  # 4x the H200's 60 MB L2: one graph's gathers pass it this often
@@ -137,17 +139,10 @@ def capture(run: Callable, sets: Sequence[Args]) -> torch.cuda.CUDAGraph:
 
 def time_graphs(graphs: dict[str, torch.cuda.CUDAGraph], calls: int, reps: int) -> dict:
     """Median µs per call of each graph (``calls`` calls a replay), the graphs replayed in
-    turn round after round, so a clock or power drift over the rounds hits all alike."""
-    times: dict[str, list[float]] = {name: [] for name in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(reps):
-        for name, graph in graphs.items():
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) * 1000 / calls)
-    return {name: statistics.median(t) for name, t in times.items()}
+    turn round after round, so a clock or power drift over the rounds hits all alike
+    (bench_util.time_replays' "rounds"; MQA's benchmark moved to "alt" in session 25, QSA's
+    tools keep this order until a run re-baselines them)."""
+    return time_replays(graphs, calls, reps, QSA_PROTOCOL)
 
 
 def time_graph(run: Callable, sets: Sequence[Args], reps: int = 30) -> float:
