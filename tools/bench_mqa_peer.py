@@ -5,10 +5,10 @@
 Per row: independent input sets (own KV pool, tables, lengths, q, weights) until the
 working set passes 240 MB (4x the H200's L2), at most 8, since a serving step reads a
 different layer's cache in every call. Both sides are checked against a float64 reference
-on a few requests, then timed by one helper: per side, the calls of all sets captured back
-to back in one CUDA graph, the sides' replays alternating rep by rep, median replay /
-calls; rows with B <= 32 also eager (one call between
-two events, cycling the sets). DeepGEMM (imported from --deepgemm when given, else from
+on a few requests, then timed by one helper (bench_util.per_call_in_graphs): per side, the
+calls of all sets captured back to back in one CUDA graph, the sides' replays alternating
+rep by rep after a clean L2 read (--protocol), median replay / calls; rows with B <= 32
+also eager (one call between two events, cycling the sets). DeepGEMM (imported from --deepgemm when given, else from
 the path; its column is skipped when it cannot be imported) gets
 `fp8_fp4_paged_mqa_logits((q, None), kv, w, context_lens_2d, block_table, schedule,
 max_len, False, float32)` with the schedule computed once per set outside the timing, as a
