@@ -13,7 +13,6 @@ from flashinfer_jit.mqa_logits import plan as mq_plan
 from flashinfer_jit.mqa_logits.checks import SMEM_LIMIT, STATIC_SMEM, reg_cap
 from flashinfer_jit.mqa_logits.ring import ring_family
 from flashinfer_jit.mqa_logits.tma import (
-    EVICT_MIN_BATCH,
     EVICT_WIDE_MIN_BATCH,
     LEAN_REGS,
     NARROW_CONFIG,
@@ -179,10 +178,10 @@ def test_dispatch_plans_small_calls_apart(picked, monkeypatch, max_seq_len, warp
     monkeypatch.setattr(mq_plan, "capability", lambda device: (9, 0))
     plan = plan_of(32, (1, 64, 128, 64), max_seq_len)
     assert got[-1][1][7] == warpgroups
-    assert plan.extra == (int(warpgroups == 2),)  # small calls stream KV evict-first
+    assert plan.extra == (1,)  # next_n=1 calls stream KV evict-first, small or not
     plan = plan_of(32, (1, 64, 128, 64), 24576 - max_seq_len)  # the other
     assert len(got) == 2 and got[-1][1][7] == 5 - warpgroups
-    assert plan.extra == (int(warpgroups == 3),)
+    assert plan.extra == (1,)
 
 
 @pytest.mark.parametrize("max_seq_len", [8192, 65536])
@@ -196,14 +195,15 @@ def test_options_set_the_kv_policy(picked, monkeypatch, max_seq_len, evict):
     config = got[-1][1]
     plan = plan_of(32, (1, 64, 128, 64), max_seq_len, MqaLogitsOptions(kv_evict_first=evict))
     assert plan.extra == (int(evict),) and got[-1][1] == config
-    assert default.extra == (int(max_seq_len == 8192),)
+    assert default.extra == (1,)  # next_n=1: evict-first, small call or not
 
 
 @pytest.mark.parametrize(
     "batch,geometry,max_seq_len,evict",
     [(32, (1, 64, 128), 8192, True), (256, (1, 64, 128), 8192, True),
-     (1024, (1, 64, 128), 2048, True), (255, (1, 64, 128), 8192, False),
-     (64, (1, 64, 128), 65536, False), (32, (2, 64, 128), 8192, True),
+     (1024, (1, 64, 128), 2048, True), (255, (1, 64, 128), 8192, True),
+     (64, (1, 64, 128), 65536, True), (16, (1, 64, 32), 131072, True),
+     (32, (2, 64, 128), 8192, True),
      # next_n 2-3 with a 16 KB Q or more: from EVICT_WIDE_MIN_BATCH requests
      (256, (2, 64, 128), 8192, True), (128, (2, 64, 128), 8192, True),
      (127, (2, 64, 128), 8192, False), (64, (2, 64, 128), 65536, False),
@@ -213,13 +213,13 @@ def test_options_set_the_kv_policy(picked, monkeypatch, max_seq_len, evict):
      (128, (4, 32, 128), 16384, False)],
 )  # fmt: skip
 def test_dispatcher_kv_policy(picked, monkeypatch, batch, geometry, max_seq_len, evict):
-    """Evict-first KV for small calls, next_n=1 calls of EVICT_MIN_BATCH requests or more
-    (MQA round 18) and next_n=2-3 calls with a 16 KB Q of EVICT_WIDE_MIN_BATCH or more
-    (round 20); the policy is part of the plan's key."""
+    """Evict-first KV for small calls, every next_n=1 call (session 26) and next_n=2-3 calls
+    with a 16 KB Q of EVICT_WIDE_MIN_BATCH or more (round 20); the policy is part of the
+    plan's key."""
     monkeypatch.setattr(mq_plan, "capability", lambda device: (9, 0))
     plan = plan_of(batch, (*geometry, 64), max_seq_len)
     assert plan.extra == (int(evict),)
-    assert (EVICT_MIN_BATCH, EVICT_WIDE_MIN_BATCH) == (256, 128)
+    assert EVICT_WIDE_MIN_BATCH == 128
 
 
 def test_dispatch_falls_back_to_the_ring_when_the_tma_kernel_is_missing(picked, monkeypatch):

@@ -1,15 +1,22 @@
 """fp8_paged_mqa_logits against DeepGEMM's sm90 kernel, timed the same way in one process.
 
     python tools/bench_mqa_peer.py [--deepgemm DIR] [--rows a,b] [--sweep] [--probes] [--reps N]
+        [--no-clean-each] [--graph-calls N] [--protocol P]
 
 Per row: independent input sets (own KV pool, tables, lengths, q, weights) until the
 working set passes 240 MB (4x the H200's L2), at most 8, since a serving step reads a
 different layer's cache in every call. Both sides are checked against a float64 reference
-on a few requests, then timed by one helper (bench_util.per_call_in_graphs): per side, the
-calls of all sets captured back to back in one CUDA graph, the sides' replays alternating
-rep by rep after a clean L2 read (--protocol), median replay / calls; rows with B <= 32
-also eager (one call between two events, cycling the sets). DeepGEMM (imported from --deepgemm when given, else from
-the path; its column is skipped when it cannot be imported) gets
+on a few requests, then timed by one helper (bench_util.per_call_in_graphs): per side, one
+call per set (--graph-calls: at least N, cycling the sets) captured in one CUDA graph, each
+call after a clean read of twice the L2 whose own time (a graph of reads alone) is taken
+off (--no-clean-each: the calls back to back), the sides' replays alternating rep by rep
+(--protocol), median replay / calls; rows with B <= 32 also eager (one call between two
+events, cycling the sets). Why the clean read: between two layers' indexer calls a serving
+step runs the layer's other kernels, so a call starts with an L2 of other data, and a call
+back to back with itself inherits its dirty logits instead; a call is charged the write-back
+of its own logits (the read after it evicts them). Session 26 measured both (MQA round 26).
+DeepGEMM (imported from --deepgemm when given, else from the path; its column is skipped
+when it cannot be imported) gets
 `fp8_fp4_paged_mqa_logits((q, None), kv, w, context_lens_2d, block_table, schedule,
 max_len, False, float32)` with the schedule computed once per set outside the timing, as a
 serving step reuses it across layers; ours `fp8_paged_mqa_logits` with schedule_meta=None.
@@ -36,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_util import PROTOCOLS, eager, per_call_in_graphs, warm_gpu  # noqa: E402
+from bench_util import PROTOCOLS, clean_read, eager, per_call_in_graphs, warm_gpu  # noqa: E402
 from mqa_logits_probe import probe_options, variant  # noqa: E402
 from mqa_peer_rows import EXTRA_ROWS, ROWS, SWEEPS, VARIANT_CONFIGS, VARIANT_ROWS, VARIANTS, Row  # noqa: E402
 
@@ -140,14 +147,15 @@ def ours(
     """Our call on set s; ``config`` forces a TMA config, ``options`` replaces it
     (MqaLogitsOptions: each variant has its own plans and replays); ``schedule``: a
     schedule_meta computed beforehand (None: the kernel derives it, as the issue times)."""
-    out = torch.empty(
-        s["q"].shape[0] * s["q"].shape[1], mq.padded_seq_len(s["max_len"]), device="cuda"
-    )
-    options = options or MqaLogitsOptions(config=config)
-    run = mq.OP.runner(options).run
+    # out=None: each call allocates its logits, as DeepGEMM's does (an eager call pays it;
+    # until session 26 ours was given its buffer)
+    if config is None and options is None:  # the public entry point, as a user calls it
+        args = (s["q"], s["kv"], s["w"], s["table"], s["lens"], s["max_len"])
+        return lambda: mq.fp8_paged_mqa_logits(*args, schedule_meta=schedule)
+    run = mq.OP.runner(options or MqaLogitsOptions(config=config)).run
     f32 = torch.float32
     args = (s["q"], s["kv"], s["w"], s["table"], s["lens"], s["max_len"], f32, f32, f32)
-    args += (schedule, out, False)  # bf16_out: the seed's entry point
+    args += (schedule, None, False)  # bf16_out: the seed's entry point
     return lambda: run(args)
 
 
@@ -243,7 +251,7 @@ def run_row(row: Row, dg, args: argparse.Namespace, gen: torch.Generator) -> dic
     checked = {}
     for name, make in row_sides(row, dg, sets[0], args).items():
         try:
-            calls = [make(s) for s in sets]
+            calls = [make(sets[i % len(sets)]) for i in range(max(len(sets), args.graph_calls))]
             if name == "ours":
                 mq_plan._plans.clear()
             if not name.startswith("probe"):  # probes write no valid logits
@@ -254,7 +262,15 @@ def run_row(row: Row, dg, args: argparse.Namespace, gen: torch.Generator) -> dic
         except Exception as exc:  # report and keep going
             print(f"  {row.name} {name} failed: {exc!r}", flush=True)
             traceback.print_exc(limit=3)
-    res.update(per_call_in_graphs(checked, args.reps, args.protocol))
+    graphed = checked
+    if args.clean_each:  # every call after a clean read; the reads' own time taken off
+        read = clean_read()
+        graphed = {n: [lambda c=c: (read(), c()) for c in calls] for n, calls in checked.items()}
+        graphed["read"] = [read] * len(next(iter(checked.values())))
+    res.update(per_call_in_graphs(graphed, args.reps, args.protocol))
+    if args.clean_each:
+        read_us = res.pop("read")
+        res.update({n: res[n] - read_us for n in checked}, read=read_us)
     # ("no-pdl" too: whether the programmatic launch costs an eager call on an idle GPU)
     mine = ("ours", "ours_dg_api", "deepgemm", "no-pdl")
     small = row.batch <= 32
@@ -286,7 +302,7 @@ def print_table(table: list[tuple[Row, dict]]) -> None:
         )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--deepgemm", help="folder holding DeepGEMM's built deep_gemm package")
     parser.add_argument("--rows", help="comma-separated row names (default: all)")
@@ -299,10 +315,28 @@ def main() -> None:
         choices=PROTOCOLS,
         default="alt",
         help="graph timing: alt (sides alternating after a clean L2 read), seq (runs 1-15's), "
-        "seq-busy (seq with the GPU busy at each start event)",
+        "seq-busy (seq with the GPU busy at each start event), seq-clean (seq after the read)",
+    )
+    parser.add_argument(
+        "--graph-calls",
+        type=int,
+        default=0,
+        help="calls a side's graph holds, cycling the sets (default: one per set)",
+    )
+    parser.add_argument(
+        "--clean-each",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a clean L2 read before every call in the graphs, its time taken off (as a "
+        "serving step's other kernels leave the L2 between two layers' calls; session 26's "
+        "table); --no-clean-each: the calls back to back",
     )
     parser.add_argument("--ncu", action="store_true", help="two untimed calls a side (ncu)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.deepgemm:
         sys.path.insert(0, args.deepgemm)
     try:

@@ -24,10 +24,19 @@ def warm_gpu(seconds: float = 0.5) -> None:
 # by rep (the order rotating), each replay after a clean read of twice the L2; "rounds" the
 # same without the read or the rotation (QSA's tools until a re-baseline); "seq" each side's
 # reps back to back (MQA runs 1-15); "seq-busy" that with a ~30 us spin kernel queued before
-# each start event (the GPU busy when the timed span opens).
-PROTOCOLS = ("alt", "rounds", "seq", "seq-busy")
+# each start event (the GPU busy when the timed span opens); "seq-clean" that with alt's
+# clean read before each replay (which of alt's two changes moves a figure).
+PROTOCOLS = ("alt", "rounds", "seq", "seq-busy", "seq-clean")
+CLEAN_READ = ("alt", "seq-clean")
 L2_BYTES = 60e6  # the H200's 60 MiB L2, rounded (what the clean read covers twice)
 SPIN_CYCLES = 50_000  # ~30 us at the H200's clocks
+
+
+def clean_read() -> Callable[[], object]:
+    """A call reading twice the L2 (a float32 sum into a 0-d tensor): after it, the L2 holds
+    clean lines of its buffer only (capturable in a graph)."""
+    buf, sink = torch.empty(int(2 * L2_BYTES / 4), device="cuda"), torch.empty((), device="cuda")
+    return lambda: torch.sum(buf, dim=None, out=sink)
 
 
 def time_replays(
@@ -45,11 +54,7 @@ def time_replays(
     DeepGEMM's normal-policy reads had left in L2.)"""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol {protocol!r}: one of {PROTOCOLS}")
-    if protocol == "alt":  # the clean read: a float32 sum over twice the L2
-        scrub, sink = (
-            torch.empty(int(2 * L2_BYTES / 4), device="cuda"),
-            torch.empty((), device="cuda"),
-        )
+    scrub = clean_read() if protocol in CLEAN_READ else None
     names = list(graphs)
     if protocol.startswith("seq"):
         rounds = [[name] * reps for name in names]
@@ -61,8 +66,8 @@ def time_replays(
     times: dict[str, list[float]] = {name: [] for name in names}
     for order in rounds:
         for name in order:
-            if protocol == "alt":
-                torch.sum(scrub, dim=None, out=sink)  # L2 holds none of any side's sets
+            if scrub is not None:
+                scrub()  # L2 holds none of any side's sets
             elif protocol == "seq-busy":
                 torch.cuda._sleep(SPIN_CYCLES)
             start.record()

@@ -59,6 +59,21 @@ EXTRA_ROWS = [
     for b, length in ((16, 131072), (32, 131072), (32, 65536), (64, 32768), (128, 32768),
                       (128, 16384), (256, 16384), (32, 32768))
 ]  # fmt: skip
+# Session 26: the KV stream's L2 policy (evict-first / normal, both forced, beside the
+# dispatcher's) over batches and lengths the table does not hold, for tma.kv_evict_first's rule
+# ("p-" rows: --rows p-..., --sweep).
+POLICY_ROWS = [
+    Row(f"p-b{b}n{n}h{h}d{d}L{length // 1024}k", b, n, h, length, dim=d)
+    for b, n, h, d, length in (
+        (64, 1, 64, 128, 8192), (64, 1, 64, 128, 32768), (128, 1, 64, 128, 8192),
+        (128, 1, 64, 128, 65536), (32, 1, 64, 128, 65536), (16, 1, 64, 128, 131072),
+        (64, 1, 32, 128, 65536), (64, 1, 64, 64, 32768), (128, 1, 64, 32, 16384),
+        (128, 2, 32, 128, 16384), (64, 2, 32, 128, 65536), (64, 2, 64, 64, 32768),
+        (64, 2, 64, 128, 32768), (256, 2, 64, 64, 16384), (64, 4, 32, 128, 16384),
+        (64, 3, 64, 128, 16384),
+    )
+]  # fmt: skip
+EXTRA_ROWS += POLICY_ROWS
 # --sweep: per row, ("name", MqaLogitsOptions) pairs: a forced TMA config (TmaConfig's
 # fields; in names "AxB": warpgroups x stages, "-pair": paired tiles, "rN": N registers a
 # consumer thread) or other options (say l2_promotion=256). Every TMA row also times the
@@ -110,7 +125,8 @@ SWEEPS: dict[str, list] = {
     **{row.name: [NO_EVICT if kv_evict_first(0, row.batch, (row.next_n, row.heads, row.dim)) else EVICT,
                   *WIDE.get(row.name, ())]
        for row in ROWS if row.batch >= 64},
-    **{row.name: WIDE[row.name] for row in EXTRA_ROWS},
+    **{row.name: WIDE[row.name] for row in EXTRA_ROWS if row.name in WIDE},
+    **{row.name: [EVICT, NO_EVICT] for row in POLICY_ROWS},
 }  # fmt: skip
 
 

@@ -11,6 +11,7 @@ rotate so L2 does not hold one call's gathers for the next.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,7 +26,10 @@ from flashinfer_jit.qsa.checks import offset_bits
 from flashinfer_jit.qsa.reference import qsa_decode_torch
 from jit_kernels import I32, I64, PTR, U32, KernelBuilder, KernelFamily, current_stream
 
-QSA_PROTOCOL = "rounds"  # bench_util.PROTOCOLS: the order every QSA run so far was timed in
+# bench_util.PROTOCOLS: "rounds", the order every QSA run before session 26 was timed in;
+# QSA_BENCH_PROTOCOL=alt: each replay after a clean read of twice the L2 (session 26 ran the
+# sweep both ways: BENCHMARKS.md)
+QSA_PROTOCOL = os.environ.get("QSA_BENCH_PROTOCOL", "rounds")
 BANDWIDTH = 4.24e6  # bytes per microsecond (measured device-to-device copy on the H200)
 PAGE, HEAD_DIM = 64, 128
 L2_CYCLE_BYTES = 240e6  # 4x the H200's 60 MB L2: one graph's gathers pass it this often
@@ -140,8 +144,8 @@ def capture(run: Callable, sets: Sequence[Args]) -> torch.cuda.CUDAGraph:
 def time_graphs(graphs: dict[str, torch.cuda.CUDAGraph], calls: int, reps: int) -> dict:
     """Median µs per call of each graph (``calls`` calls a replay), the graphs replayed in
     turn round after round, so a clock or power drift over the rounds hits all alike
-    (bench_util.time_replays' "rounds"; MQA's benchmark moved to "alt" in session 25, QSA's
-    tools keep this order until a run re-baselines them)."""
+    (bench_util.time_replays' protocol QSA_PROTOCOL: "rounds" unless QSA_BENCH_PROTOCOL
+    names another)."""
     return time_replays(graphs, calls, reps, QSA_PROTOCOL)
 
 

@@ -19,6 +19,10 @@ from jit_kernels import LoadedKernel, current_stream
 from jit_kernels.alloc import output_maker
 from jit_kernels.launch import PER_CALL
 
+# Pools whose kernel arguments a launch keeps: more than a model's layers (a serving engine
+# passes each layer's own pool, so a one-entry memo re-encoded the tensor map every call).
+KV_MEMO_POOLS = 512
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
@@ -77,7 +81,7 @@ class Launch:
         rows = q.shape[0] * q.shape[1]
         whole = tuple(out.shape) == (rows, max_seq_len)
         self.view = None if whole else ((rows, max_seq_len), out.stride())
-        self.kv_memo: tuple[int, tuple] = (-1, ())  # (kv_fused address, its kv args)
+        self.kv_memo: dict[int, tuple] = {}  # kv_fused address -> its kv args
         # q, kv_fused, weights, tables, lengths, schedule and out (+ the pool's tensor map)
         # change per call; the strides and the batch are this launch's metadata.
         members = (PER_CALL,) * 4 + (self.table_stride, PER_CALL, self.lens_stride, PER_CALL)
@@ -110,11 +114,14 @@ class Launch:
         )  # fmt: skip
         if self.kv_args is not None:  # per-pool arguments (the TMA kernel's tensor map)
             # They depend on the pool's address and metadata only, and this launch fixes
-            # the metadata: a serving engine's pool never moves, so reuse the last ones.
-            memo = self.kv_memo
-            if memo[0] != kv_ptr:
-                memo = self.kv_memo = (kv_ptr, self.kv_args(kv_ptr, kv_fused))
-            args += memo[1]
+            # the metadata: a serving engine's pools (one a layer) never move, so each
+            # pool's are kept (a bounded memo; a dropped one is encoded again).
+            kv = self.kv_memo.get(kv_ptr)
+            if kv is None:
+                if len(self.kv_memo) >= KV_MEMO_POOLS:
+                    self.kv_memo.clear()
+                kv = self.kv_memo[kv_ptr] = self.kv_args(kv_ptr, kv_fused)
+            args += kv
         self.go(current_stream(self.device), args)
         if self.view is None:
             return out

@@ -5,7 +5,7 @@ The tensor map views the pool's fp8 values as ``[num_blocks][block_size][head_di
 bytes (block stride ``block_size * (head_dim + 4)``), read in column panels of at most 128
 bytes with the swizzle of the panel's width that wgmma reads (``Panels`` in the template).
 It depends on the pool's address, size and geometry only, so it is encoded once per pool and cached: a serving
-engine's pool never moves, and the hot path is one dict lookup.
+engine's pools (one a layer) never move, and the hot path is one dict lookup.
 """
 
 from __future__ import annotations
@@ -145,15 +145,18 @@ def small_work(batch: int, max_seq_len: int, num_sms: int) -> int:
 
 # The KV stream's L2 policy (KvPolicy, templates/mqa_logits/ring.cuh) without an option:
 # evict-first where the reads it keeps in L2 (each request's Q and weights, read by every CTA
-# of the request, and the block table) are worth more than the stream's: small calls (MQA
-# round 8), next_n=1 calls of EVICT_MIN_BATCH requests or more (round 18, H200, per call in
-# a graph: B=256 2-5 % faster in 3 of 4 runs, at H=32 4 %, head_dim 64 5 %, B=1024 2 %), and
-# next_n=2-3 calls of EVICT_WIDE_MIN_BATCH or more whose Q is 16 KB or more a request (round
-# 20, four runs: B=256 next_n=2 H=64 0.7-3.3 % faster in 4 of 4, the skewed B=128 next_n=2
-# row 0.4-3.5 % in 3 of 4, next_n=3 H=64 2 % in 2 of 2). Evict-normal stays where it measured
-# level or slower: B=64 L=64K, next_n=2 with an 8 KB Q or less (H=32; head_dim 32-64), and
-# next_n=4 H=32 (3 % slower in 2 of 2).
-EVICT_MIN_BATCH = 256
+# of the request, the block table, and the logits it writes, which the caller's top-k reads
+# next) are worth more than the stream's: small calls (MQA round 8), every next_n=1 call
+# (session 26, H200, per call in a graph, each call after a clean read of twice the L2 and
+# charged its own write-back, as a serving step's other kernels leave the L2 between two
+# layers' calls: 2.7-6.3 % faster at ten shapes of 16-128 requests x 8K-128K tokens, head
+# dims 64-256, level at head_dim 32; calls back to back, 8 to a graph: -1 to +5 %; round 18
+# had it from 256 requests), and next_n=2-3 calls of EVICT_WIDE_MIN_BATCH or more whose Q is
+# 16 KB or more a request (round 20, four runs: B=256 next_n=2 H=64 0.7-3.3 % faster in 4 of
+# 4, the skewed B=128 next_n=2 row 0.4-3.5 % in 3 of 4, next_n=3 H=64 2 % in 2 of 2).
+# Evict-normal stays where it measured mixed or slower: next_n=2 below 128 requests or with
+# an 8 KB Q or less (session 26: H=32 +2-5 % with a clean L2, -1 to -3 % back to back; head
+# dims 32-64 1-2 % slower), and next_n=4 H=32 (-2 to -3 % at 64 requests, round 20 3 %).
 EVICT_WIDE_MIN_BATCH = 128
 EVICT_WIDE_Q_BYTES = 16384
 
@@ -163,11 +166,7 @@ def kv_evict_first(small: int, batch: int, geometry: tuple) -> bool:
     ``geometry``: (next_n, heads, head_dim, ...))."""
     next_n, heads, dim = geometry[:3]
     wide = 2 <= next_n <= 3 and next_n * heads * dim >= EVICT_WIDE_Q_BYTES
-    return (
-        small > 0
-        or (next_n == 1 and batch >= EVICT_MIN_BATCH)
-        or (wide and batch >= EVICT_WIDE_MIN_BATCH)
-    )
+    return small > 0 or next_n == 1 or (wide and batch >= EVICT_WIDE_MIN_BATCH)
 
 
 # Ring depth (64-token stages): 8-10 (68-85 KB of reads in flight per SM, what HBM's
