@@ -115,3 +115,21 @@ def test_patch_templates_takes_other_files(tmp_path):
     assert "kOnePassPerThread = 4;" in text and anchor not in text
     with pytest.raises(SystemExit, match="exactly once"):
         probe.patch_templates(tmp_path / "u", [(name, "no such anchor", "")])
+
+
+def test_peer_rows_policy_sweep_and_protocol_defaults(monkeypatch):
+    """bench_mqa_peer: every row name is unique (--rows finds one row), each policy row times
+    both KV policies forced (session 26's sweep), and the table's protocol is the default (a
+    clean read before every call, one call per set, sides alternating)."""
+    rows = _tool("mqa_peer_rows")
+    names = [r.name for r in rows.ROWS + rows.EXTRA_ROWS]
+    assert len(names) == len(set(names)) and rows.POLICY_ROWS
+    for row in rows.POLICY_ROWS:
+        forced = {o.kv_evict_first for _, o in rows.SWEEPS[row.name]}
+        assert forced == {True, False} and row in rows.EXTRA_ROWS
+    monkeypatch.setattr(sys, "argv", ["bench_mqa_peer.py"])
+    args = _tool("bench_mqa_peer").parse_args()
+    assert (args.clean_each, args.graph_calls, args.protocol) == (True, 0, "alt")
+    monkeypatch.setattr(sys, "argv", ["bench_mqa_peer.py", "--no-clean-each", "--graph-calls", "8"])
+    args = _tool("bench_mqa_peer").parse_args()
+    assert (args.clean_each, args.graph_calls) == (False, 8)
