@@ -4,6 +4,7 @@ keep the anchors there and the patched kernels what the tools say they are."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from pathlib import Path
@@ -133,3 +134,31 @@ def test_peer_rows_policy_sweep_and_protocol_defaults(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_mqa_peer.py", "--no-clean-each", "--graph-calls", "8"])
     args = _tool("bench_mqa_peer").parse_args()
     assert (args.clean_each, args.graph_calls) == (False, 8)
+
+
+def test_clean_each_reads_before_every_call_and_takes_the_reads_off(monkeypatch):
+    """bench_util.per_call_in_graphs(clean_each=True): each captured call follows a clean read,
+    a graph of reads alone is timed beside the sides, and its time is taken off theirs."""
+    util = _tool("bench_util")
+    order: list[str] = []
+
+    class Graph:
+        def replay(self) -> None:
+            pass
+
+    monkeypatch.setattr(util, "clean_read", lambda: lambda: order.append("read"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph: contextlib.nullcontext())
+    timed = {}
+
+    def time_replays(graphs, calls, reps, protocol):
+        timed.update(calls)
+        return {name: 10.0 if name == "read" else 25.0 for name in graphs}
+
+    monkeypatch.setattr(util, "time_replays", time_replays)
+    sides = {"a": [lambda: order.append("a0"), lambda: order.append("a1")]}
+    got = util.per_call_in_graphs(sides, 3, "alt", clean_each=True)
+    assert got == {"a": 15.0, "read": 10.0} and timed == {"a": 2, "read": 2}
+    # warm-up then capture, each call right after a read; then the reads' own graph
+    assert order == ["read", "a0", "read", "a1"] * 2 + ["read"] * 4

@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_util import PROTOCOLS, clean_read, eager, per_call_in_graphs, warm_gpu  # noqa: E402
+from bench_util import PROTOCOLS, eager, per_call_in_graphs, warm_gpu  # noqa: E402
 from mqa_logits_probe import probe_options, variant  # noqa: E402
 from mqa_peer_rows import EXTRA_ROWS, ROWS, SWEEPS, VARIANT_CONFIGS, VARIANT_ROWS, VARIANTS, Row  # noqa: E402
 
@@ -262,15 +262,7 @@ def run_row(row: Row, dg, args: argparse.Namespace, gen: torch.Generator) -> dic
         except Exception as exc:  # report and keep going
             print(f"  {row.name} {name} failed: {exc!r}", flush=True)
             traceback.print_exc(limit=3)
-    graphed = checked
-    if args.clean_each:  # every call after a clean read; the reads' own time taken off
-        read = clean_read()
-        graphed = {n: [lambda c=c: (read(), c()) for c in calls] for n, calls in checked.items()}
-        graphed["read"] = [read] * len(next(iter(checked.values())))
-    res.update(per_call_in_graphs(graphed, args.reps, args.protocol))
-    if args.clean_each:
-        read_us = res.pop("read")
-        res.update({n: res[n] - read_us for n in checked}, read=read_us)
+    res.update(per_call_in_graphs(checked, args.reps, args.protocol, args.clean_each))
     # ("no-pdl" too: whether the programmatic launch costs an eager call on an idle GPU)
     mine = ("ours", "ours_dg_api", "deepgemm", "no-pdl")
     small = row.batch <= 32

@@ -80,10 +80,22 @@ def time_replays(
 
 
 def per_call_in_graphs(
-    sides: dict[str, list[Callable[[], object]]], reps: int, protocol: str = "alt"
+    sides: dict[str, list[Callable[[], object]]],
+    reps: int,
+    protocol: str = "alt",
+    clean_each: bool = False,
 ) -> dict[str, float]:
     """Each side's calls captured back to back in one CUDA graph, replayed three times,
-    then timed by time_replays: median µs per call."""
+    then timed by time_replays: median µs per call. ``clean_each``: every call follows a
+    clean_read inside the graph, and the reads' own time (a graph of reads alone, timed in
+    the same order, returned as "read") is taken off each side's: a call starts on an L2 of
+    other data and pays the write-back of what it leaves dirty (the read after it evicts it)."""
+    if clean_each:
+        read = clean_read()
+        calls = len(next(iter(sides.values())))
+        sides = {n: [lambda c=c: (read(), c()) for c in cs] for n, cs in sides.items()}
+        result = per_call_in_graphs({**sides, "read": [read] * calls}, reps, protocol)
+        return {n: t - result["read"] if n != "read" else t for n, t in result.items()}
     graphs, keep = {}, []
     for name, calls in sides.items():
         keep += [c() for c in calls]  # compile, load; outputs live as long as the graphs

@@ -54,7 +54,7 @@ ROWS = [
 # Rows outside the table, timed only when --rows names them: next_n=2 H=64 calls from
 # 16 to 256 requests of 16K-128K tokens, where session 25 timed paired tiles (2 x 16 at 232
 # registers) beside the 4 x 8 at 112 they replaced (SWEEPS below).
-EXTRA_ROWS = [
+PAIR_ROWS = [
     Row(f"b{b}L{length // 1024}kn2", b, 2, 64, length)
     for b, length in ((16, 131072), (32, 131072), (32, 65536), (64, 32768), (128, 32768),
                       (128, 16384), (256, 16384), (32, 32768))
@@ -73,7 +73,7 @@ POLICY_ROWS = [
         (64, 3, 64, 128, 16384),
     )
 ]  # fmt: skip
-EXTRA_ROWS += POLICY_ROWS
+EXTRA_ROWS = PAIR_ROWS + POLICY_ROWS
 # --sweep: per row, ("name", MqaLogitsOptions) pairs: a forced TMA config (TmaConfig's
 # fields; in names "AxB": warpgroups x stages, "-pair": paired tiles, "rN": N registers a
 # consumer thread) or other options (say l2_promotion=256). Every TMA row also times the
@@ -107,7 +107,7 @@ WIDE = {
     "d32n2": [("3x36-r160", MqaLogitsOptions(config=T(3, 36, 4, 2, 1, 0, 160))), *_paired(32, 40)],
     **{name: [UNPAIRED] for name in ("b256n2", "b64L64kn2", "skew128n2")},
     "d96n2": _paired(16),
-    **{row.name: [UNPAIRED] for row in EXTRA_ROWS},
+    **{row.name: [UNPAIRED] for row in PAIR_ROWS},
 }
 SWEEPS: dict[str, list] = {
     # The KV stream's L2 policy against the dispatcher's (tma.kv_evict_first: evict-first for
@@ -125,7 +125,7 @@ SWEEPS: dict[str, list] = {
     **{row.name: [NO_EVICT if kv_evict_first(0, row.batch, (row.next_n, row.heads, row.dim)) else EVICT,
                   *WIDE.get(row.name, ())]
        for row in ROWS if row.batch >= 64},
-    **{row.name: WIDE[row.name] for row in EXTRA_ROWS if row.name in WIDE},
+    **{row.name: WIDE[row.name] for row in PAIR_ROWS},
     **{row.name: [EVICT, NO_EVICT] for row in POLICY_ROWS},
 }  # fmt: skip
 

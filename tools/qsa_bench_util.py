@@ -142,10 +142,10 @@ def capture(run: Callable, sets: Sequence[Args]) -> torch.cuda.CUDAGraph:
 
 
 def time_graphs(graphs: dict[str, torch.cuda.CUDAGraph], calls: int, reps: int) -> dict:
-    """Median µs per call of each graph (``calls`` calls a replay), the graphs replayed in
-    turn round after round, so a clock or power drift over the rounds hits all alike
-    (bench_util.time_replays' protocol QSA_PROTOCOL: "rounds" unless QSA_BENCH_PROTOCOL
-    names another)."""
+    """Median µs per call of each graph (``calls`` calls a replay), timed by
+    bench_util.time_replays in protocol QSA_PROTOCOL ("rounds": the graphs replayed in turn
+    round after round, so a clock or power drift hits all alike; QSA_BENCH_PROTOCOL names
+    another)."""
     return time_replays(graphs, calls, reps, QSA_PROTOCOL)
 
 
