@@ -13,7 +13,7 @@ from flashinfer_jit.mqa_logits import plan as mq_plan
 from flashinfer_jit.mqa_logits.checks import SMEM_LIMIT, STATIC_SMEM, reg_cap
 from flashinfer_jit.mqa_logits.ring import ring_family
 from flashinfer_jit.mqa_logits.tma import (
-    EVICT_WIDE_MIN_BATCH,
+    EVICT_MIN_DIM,
     LEAN_REGS,
     NARROW_CONFIG,
     PAIRED_WIDE_CONFIG,
@@ -90,7 +90,7 @@ def plan_of(batch: int, geometry: tuple, max_seq_len: int, options=None):
     """The kernel plan of a float32 call of ``batch`` requests (the H200's 132 SMs)."""
     small = small_work(batch, max_seq_len, 132)
     options = MqaLogitsOptions() if options is None else options
-    evict = kv_evict_first(small, batch, geometry)
+    evict = kv_evict_first(small, geometry)
     return mq_plan.kernel_plan(geometry, (torch.float32,) * 3, 0, small, options, evict)
 
 
@@ -204,22 +204,23 @@ def test_options_set_the_kv_policy(picked, monkeypatch, max_seq_len, evict):
      (1024, (1, 64, 128), 2048, True), (255, (1, 64, 128), 8192, True),
      (64, (1, 64, 128), 65536, True), (16, (1, 64, 32), 131072, True),
      (32, (2, 64, 128), 8192, True),
-     # next_n 2-3 with a 16 KB Q or more: from EVICT_WIDE_MIN_BATCH requests
+     # next_n 2-3 at head_dim >= 96 (EVICT_MIN_DIM), any batch and heads
      (256, (2, 64, 128), 8192, True), (128, (2, 64, 128), 8192, True),
-     (127, (2, 64, 128), 8192, False), (64, (2, 64, 128), 65536, False),
-     (128, (3, 64, 128), 16384, True),
-     # an 8 KB Q or less, or next_n=4: evict-normal
-     (256, (2, 32, 128), 8192, False), (256, (2, 64, 64), 8192, False),
+     (127, (2, 64, 128), 8192, True), (64, (2, 64, 128), 65536, True),
+     (128, (3, 64, 128), 16384, True), (64, (3, 64, 128), 16384, True),
+     (256, (2, 32, 128), 8192, True), (64, (2, 32, 256), 8192, True),
+     (256, (2, 64, 96), 8192, True),
+     # next_n=2 at head dims below 96, or next_n=4: evict-normal
+     (256, (2, 64, 64), 8192, False), (64, (2, 64, 32), 8192, False),
      (128, (4, 32, 128), 16384, False)],
 )  # fmt: skip
 def test_dispatcher_kv_policy(picked, monkeypatch, batch, geometry, max_seq_len, evict):
-    """Evict-first KV for small calls, every next_n=1 call (session 26) and next_n=2-3 calls
-    with a 16 KB Q of EVICT_WIDE_MIN_BATCH or more (round 20); the policy is part of the
-    plan's key."""
+    """Evict-first KV for small calls, every next_n=1 call and next_n=2-3 calls at head_dim
+    EVICT_MIN_DIM or more (sessions 26-27); the policy is part of the plan's key."""
     monkeypatch.setattr(mq_plan, "capability", lambda device: (9, 0))
     plan = plan_of(batch, (*geometry, 64), max_seq_len)
     assert plan.extra == (int(evict),)
-    assert EVICT_WIDE_MIN_BATCH == 128
+    assert EVICT_MIN_DIM == 96
 
 
 def test_dispatch_falls_back_to_the_ring_when_the_tma_kernel_is_missing(picked, monkeypatch):

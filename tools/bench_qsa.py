@@ -304,6 +304,8 @@ def parse_args() -> argparse.Namespace:
     sweep.add_argument("--dispatch-sweep", action="store_true", help="run it, table last")
     sweep.add_argument("--short", action="store_true", help="the short single pass at issue 22's "
                        "short selections instead (tools/qsa_short_bench.py; --json, --time-limit)")  # fmt: skip
+    sweep.add_argument("--points", help="--short: these points (rows/Hq/Hkv/topk, comma-separated)"
+                       " instead of qsa_short_bench.POINTS")  # fmt: skip
     sweep.add_argument("--list", action="store_true", help="its points and cost model; no GPU")
     sweep.add_argument("--json", help="write every row here (rewritten after each point)")
     sweep.add_argument("--part", help="i/n: only part i of n (cost-balanced), e.g. 1/2")
@@ -318,6 +320,8 @@ def parse_args() -> argparse.Namespace:
     opts = parser.parse_args()
     if opts.short and opts.list:  # (--list is the dispatch sweep's; --short needs a GPU)
         parser.error("--list lists the dispatch sweep's points; --short has no list")
+    if opts.points and not opts.short:
+        parser.error("--points picks the short single pass's points (--short)")
     return opts
 
 

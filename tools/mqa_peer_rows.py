@@ -111,8 +111,7 @@ WIDE = {
 }
 SWEEPS: dict[str, list] = {
     # The KV stream's L2 policy against the dispatcher's (tma.kv_evict_first: evict-first for
-    # small calls, next_n=1 calls of 256 requests or more and next_n=2-3 calls of 128 or more
-    # with a 16 KB Q, from sessions 18-20's sweeps): every
+    # small calls, every next_n=1 call and next_n=2-3 calls at head_dim >= 96): every
     # row but the skewed B=32 one times the other policy. (The ring depths, warpgroups and Q
     # buffers: rounds 10-16 of docs/perf-log/mqa_logits.md; deeper rings at the skewed row
     # and one Q buffer with 12-16 stages at next_n=2, both slower: round 19.)
@@ -122,7 +121,7 @@ SWEEPS: dict[str, list] = {
                ("small-evict", MqaLogitsOptions(config=T(2, 6, 2, 2, 1), kv_evict_first=True)), NO_PDL],
     "b32": [NO_EVICT, NO_PDL],
     "b1": [NO_PDL],
-    **{row.name: [NO_EVICT if kv_evict_first(0, row.batch, (row.next_n, row.heads, row.dim)) else EVICT,
+    **{row.name: [NO_EVICT if kv_evict_first(0, (row.next_n, row.heads, row.dim)) else EVICT,
                   *WIDE.get(row.name, ())]
        for row in ROWS if row.batch >= 64},
     **{row.name: WIDE[row.name] for row in PAIR_ROWS},

@@ -190,7 +190,7 @@ def launch_for(args: tuple, options: MqaLogitsOptions, lens_offset: int = 0) -> 
     device = cuda_device_index(q)
     geometry = (q.shape[1], q.shape[2], q.shape[3], kv_fused.shape[1])
     small = small_work(q.shape[0], max_seq_len, sm_count(device))
-    evict_first = kv_evict_first(small, q.shape[0], geometry)
+    evict_first = kv_evict_first(small, geometry)
     plan = kernel_plan(geometry, args[6:9], device, small, options, evict_first)
     out = args[10]
     return Launch(plan, device, q, weights, block_tables, seq_lens, out, max_seq_len, lens_offset)

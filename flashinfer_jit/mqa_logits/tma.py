@@ -147,26 +147,24 @@ def small_work(batch: int, max_seq_len: int, num_sms: int) -> int:
 # evict-first where the reads it keeps in L2 (each request's Q and weights, read by every CTA
 # of the request, the block table, and the logits it writes, which the caller's top-k reads
 # next) are worth more than the stream's: small calls (MQA round 8), every next_n=1 call
-# (session 26, H200, per call in a graph, each call after a clean read of twice the L2 and
-# charged its own write-back, as a serving step's other kernels leave the L2 between two
-# layers' calls: 2.7-6.3 % faster at ten shapes of 16-128 requests x 8K-128K tokens, head
-# dims 64-256, level at head_dim 32; calls back to back, 8 to a graph: -1 to +5 %; round 18
-# had it from 256 requests), and next_n=2-3 calls of EVICT_WIDE_MIN_BATCH or more whose Q is
-# 16 KB or more a request (round 20, four runs: B=256 next_n=2 H=64 0.7-3.3 % faster in 4 of
-# 4, the skewed B=128 next_n=2 row 0.4-3.5 % in 3 of 4, next_n=3 H=64 2 % in 2 of 2).
-# Evict-normal stays where it measured mixed or slower: next_n=2 below 128 requests or with
-# an 8 KB Q or less (session 26: H=32 +2-5 % with a clean L2, -1 to -3 % back to back; head
-# dims 32-64 1-2 % slower), and next_n=4 H=32 (-2 to -3 % at 64 requests, round 20 3 %).
-EVICT_WIDE_MIN_BATCH = 128
-EVICT_WIDE_Q_BYTES = 16384
+# and every next_n=2-3 call at head_dim EVICT_MIN_DIM or more. Measured (sessions 26-27,
+# H200, per call in a graph) with each call after a clean read of twice the L2 and charged
+# its own write-back, as a serving step's other kernels leave the L2 between two layers'
+# calls: next_n=1 2.7-6.3 % faster at ten shapes of 16-128 requests x 8K-128K tokens, head
+# dims 64-256, level at head_dim 32; next_n=2 at head_dim 128 1.2-6.3 % faster at 64-256
+# requests, H=32 and 64, at head_dim 96 3 % (B=256); next_n=3 level to 1 %. Calls back to
+# back, 8 to a graph (the L2 holding the previous call's data), read -1 to +5 % at next_n=1
+# and +1 to +3 % slower at next_n=2 below 256 requests: the policy is chosen for the serving
+# step, not for a loop over one layer. Evict-normal stays where it measured slower either
+# way: next_n=2 at head dims 32-64 (1-2 %) and next_n=4 H=32 (2-3 %).
+EVICT_MIN_DIM = 96
 
 
-def kv_evict_first(small: int, batch: int, geometry: tuple) -> bool:
-    """The dispatcher's KV policy for a call of ``batch`` requests (``small``: small_work;
-    ``geometry``: (next_n, heads, head_dim, ...))."""
-    next_n, heads, dim = geometry[:3]
-    wide = 2 <= next_n <= 3 and next_n * heads * dim >= EVICT_WIDE_Q_BYTES
-    return small > 0 or next_n == 1 or (wide and batch >= EVICT_WIDE_MIN_BATCH)
+def kv_evict_first(small: int, geometry: tuple) -> bool:
+    """The dispatcher's KV policy for a call (``small``: small_work; ``geometry``: (next_n,
+    heads, head_dim, ...))."""
+    next_n, dim = geometry[0], geometry[2]
+    return small > 0 or next_n == 1 or (2 <= next_n <= 3 and dim >= EVICT_MIN_DIM)
 
 
 # Ring depth (64-token stages): 8-10 (68-85 KB of reads in flight per SM, what HBM's

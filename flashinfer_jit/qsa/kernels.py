@@ -100,10 +100,12 @@ SMEM_LIMIT = shipped_smem_per_block()  # what one CTA may use on every shipped a
 # warps moves Q to shared memory to fit 128 registers). D=128: 4 x 52 KB of shared memory,
 # 16 warps per SM. (Round 3: several kv heads per CTA were slower at every shape.)
 DECODE_CONFIG = {64: (4, 8, 1), 128: (4, 3, 4), 256: (4, 2, 1)}
-# The bulk-copy decode (D=128): the single pass keeps 4 CTAs of 3 stages (4 x 54 KB); a
-# cluster, whose partials need room too, 2 stages to keep 4 CTAs per SM. cp.async clusters
-# at D=128 take 2 stages too (round 4, table above); other head dims the single pass's.
-BULK_SINGLE_PASS = (4, 3, 4)
+# The bulk-copy decode (D=128): 4 CTAs of 4 warps per SM, 2 stages a warp, single pass and
+# clusters alike; cp.async clusters at D=128 too (round 4), other head dims the single pass's.
+# The single pass had 3 stages until session 27 (H200, graph µs: topk 256-512 at 512-1536
+# pairs 3-8 % faster with 2, 512/16/1/256 21.9 -> 20.7; topk 1024-4096 at 512-8192 pairs
+# -0.6 to +1.8 %, 256/32/8/4096 399.4 -> 401.8; docs/perf-log/qsa.md round 17).
+BULK_SINGLE_PASS = (4, 2, 4)
 BULK_CLUSTER = (4, 2, 4)
 CLUSTER_CONFIG = {128: (4, 2, 4)}
 # A cp.async cluster grid of half a wave or less (one CTA per SM) steps its warps two chunks

@@ -61,7 +61,7 @@ SHORT_CONFIGS = {
     "w1s6": (1, 6, 8),  # 8 rows, 6 chunks
     "w2s2": (2, 2, 8),  # 8 rows, 4 chunks
     "w2s3": (2, 3, 8),  # 7 rows (8 by the bound; q in smem), 6 chunks
-    "w4s3": (4, 3, 4),  # the shipped config: isolates the row order (order=False)
+    "w4s3": (4, 3, 4),  # the single pass's config until session 27 (now 2 stages)
 }
 SHORT_DEFAULT = SHORT_CONFIGS["w1s4"]
 
