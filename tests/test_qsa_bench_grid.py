@@ -69,12 +69,16 @@ def test_short_column_and_its_threshold_points():
         timed = point.pairs >= 512 and point.head_dim in (64, 128)
         assert ("short" in variants) is timed, point
         pick = grid.pick_label(point, grid.dispatch_variant(point, SMS, CLUSTERS), SMS, CLUSTERS)
-        least = {256: 1518, 512: 2046}.get(point.topk, 4092)  # 132 SMs, by selection
+        # 132 SMs, by selection (bulk copies at D 128: 2 warps a row from 5.8 pairs an SM at
+        # topk 256); past topk 512 groups of more than 8 only
+        least = {256: 766 if point.head_dim == 128 else 1518, 512: 2046}.get(point.topk, 4092)
         rule = point.pairs >= least and point.topk <= 4096 and point.head_dim in (64, 128)
+        rule = rule and (point.topk <= 512 or point.group > 8)
         assert (pick == "short") is rule, point
     pairs = {p.pairs for p in grid.grid() if "short" in grid.variants_of(p, SMS, CLUSTERS)}
     assert {512, 1024, 1536, 2048, 2112, 3072, 4096} <= pairs
-    choice = grid.resolve(grid.Point(4096, 16, 1, 256), grid.SHORT_VARIANT, SMS)
+    point = grid.Point(4096, 16, 1, 256)
+    choice = grid.resolve(point, grid.variants_of(point, SMS, CLUSTERS)["short"], SMS)
     assert choice.kernel[0] is decode_short_family and choice.slots is not None
     selected = grid.select_pairs(grid.grid(), "512:4096")
     assert selected and all(512 <= p.pairs <= 4096 for p in selected)

@@ -376,11 +376,11 @@ def test_gpu_warmup_then_no_compile(jit_cache, strict):
         k_cache, v_cache = kv.transpose(1, 2).split(128, dim=-1)
         # topk 512, Hkv 2: rows=2 takes a fused 4-CTA cluster of cp.async gathers (16 CTAs),
         # rows=80 a fused 2-CTA cluster of bulk copies (320 CTAs: more than two waves); many
-        # rows the single pass or (sm_90) the short single pass
-        assert [
-            qsa_plan.dispatch_split(r, 2, 512, 128, torch.uint8, 0).num_splits for r in (2, 80)
-        ] == [4, 2]
-        for rows in (2, 80, -(-short_min_pairs(qsa_plan.sm_count(0), 512) // 2)):
+        # rows the single pass or (sm_90) the short pass, 2 warps a row, 1 from 31 an SM
+        split = functools.partial(qsa_plan.dispatch_split, group=8, bulk=True)
+        assert [split(r, 2, 512, 128, torch.uint8, 0).num_splits for r in (2, 80)] == [4, 2]
+        sms = qsa_plan.sm_count(0)
+        for rows in (2, 80, -(-short_min_pairs(sms, 512, True) // 2), -(-31 * sms // 2)):
             case = make_case(
                 rows=rows,
                 hq=16,

@@ -20,7 +20,7 @@ from flashinfer_jit.qsa import kernels as qk
 from flashinfer_jit.qsa import plan as qsa_plan
 from flashinfer_jit.qsa import warmup as qsa_warmup
 from flashinfer_jit.qsa.op import with_options
-from flashinfer_jit.qsa.plan import SHORT_VARIANT, QsaOptions, Variant, decode_launch, launch_choice
+from flashinfer_jit.qsa.plan import QsaOptions, Variant, decode_launch, launch_choice
 from flashinfer_jit.qsa.reference import qsa_decode_torch
 from flashinfer_jit.qsa.short import decode_short_family
 
@@ -300,7 +300,8 @@ def test_gpu_flips_back_to_back(monkeypatch, rows):
     runner = qsa.OP.runner(with_options(pdl=True, slot_entries=4))
     case = add_hazards(make_case(rows=rows, hq=16, hkv=4, d=128, page=64, topk=600, width=12,
                                  num_blocks=40, device="cuda", seed=rows, combined=True))  # fmt: skip
-    splits = qsa_plan.dispatch_split(rows, 4, 600, 128, torch.uint8, 0).num_splits
+    splits = qsa_plan.dispatch_split(rows, 4, 600, 128, torch.uint8, 0, group=4, bulk=True)
+    splits = splits.num_splits
     assert splits == {3: 4, 40: 2, 512: 1}[rows]
     fresh = [torch.randn_like(case["q"], dtype=torch.float32).to(torch.bfloat16) for _ in range(2)]
     outs = [torch.full_like(case["out"], math.nan) for _ in fresh]
@@ -345,7 +346,8 @@ def test_launch_choice_is_what_a_call_launches():
     fused = launch_choice(Variant(num_splits=4), options, 16, 128, 2048, 64, 16, 132, True)
     assert (fused.num_splits, fused.cluster, fused.fused, fused.order) == (4, 4, True, False)
     assert fused.kernel[0] is qk.cluster_family and fused.slots is None
-    short = launch_choice(SHORT_VARIANT, options, 16, 128, 256, 64, 4096, 132, True)
+    w1s2 = Variant(config=(1, 2, 16), short=True, order=True)
+    short = launch_choice(w1s2, options, 16, 128, 256, 64, 4096, 132, True)
     assert short.kernel[0] is decode_short_family and short.order and short.slots is not None
     with pytest.raises(ValueError, match="order=False"):
         launch_choice(Variant(order=False), options, 16, 128, 256, 64, 4096, 132, True)

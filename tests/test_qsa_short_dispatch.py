@@ -21,69 +21,84 @@ from flashinfer_jit.qsa import op as qsa_op
 from flashinfer_jit.qsa import plan as qsa_plan
 from flashinfer_jit.qsa import short as qs
 from flashinfer_jit.qsa import warmup as qsa_warmup
-from flashinfer_jit.qsa.plan import SHORT_VARIANT, QsaOptions, Variant
+from flashinfer_jit.qsa.plan import QsaOptions, Variant, short_variant
 
 from .test_qsa import add_hazards, args_of, assert_close, make_case, ref_of
 from .test_qsa_short import assert_compiles_without_spills
 from .test_replay import FakeKernel, qsa_args, qsa_stub, stub  # noqa: F401 (fixtures)
 
 H200 = ((9, 0), 132)  # capability, SMs
-W1S2 = qs.SHORT_CONFIGS["w1s2"]
+W1S2, W2S2 = qs.SHORT_CONFIGS["w1s2"], qs.SHORT_CONFIGS["w2s2"]
 
 
 # -- CPU: the rule -------------------------------------------------------------------------------
-def test_the_dispatched_config_is_w1s2_in_row_order():
-    assert qs.SHORT_DISPATCH == W1S2 == (1, 2, 16)
-    assert SHORT_VARIANT == Variant(config=W1S2, short=True, order=True)
-    # the H200's thresholds (SHORT_MIN_PAIRS_PER_SM): 11.5, 15.5 and 31 pairs an SM
-    assert [qs.short_min_pairs(132, k) for k in (1, 256, 257, 512, 513, 2048, 4096)] == [
-        1518,
-        1518,
-        2046,
-        2046,
-        4092,
-        4092,
-        4092,
-    ]
+def test_the_dispatched_configs_and_thresholds():
+    assert qs.SHORT_DISPATCH == W1S2 == (1, 2, 16) and qs.SHORT_WIDE == W2S2 == (2, 2, 8)
+    # the H200's thresholds: w1s2 from 11.5, 15.5 and 31 pairs an SM (SHORT_MIN_PAIRS_PER_SM);
+    # with bulk copies at topk <= 512 from 5.8 and 15.5 (SHORT_WIDE_MIN_PAIRS_PER_SM)
+    topks = (1, 256, 257, 512, 513, 2048, 4096)
+    assert [qs.short_min_pairs(132, k, False) for k in topks] == [
+        1518, 1518, 2046, 2046, 4092, 4092, 4092]  # fmt: skip
+    assert [qs.short_min_pairs(132, k, True) for k in topks] == [
+        766, 766, 2046, 2046, 4092, 4092, 4092]  # fmt: skip
+    # two warps a row with bulk copies at topk <= 512 below 31 pairs an SM, else one
+    assert qs.short_config(True, 256, 766, 132) == W2S2
+    assert qs.short_config(True, 512, 4091, 132) == W2S2
+    assert qs.short_config(True, 512, 4092, 132) == W1S2
+    assert qs.short_config(True, 513, 1000, 132) == W1S2
+    assert qs.short_config(False, 256, 1518, 132) == W1S2
+    call = qs.ShortCall((9, 0), 128, 16, 256, 1000, 132, True)
+    assert short_variant(call) == Variant(config=W2S2, short=True, order=True)
+
+
+def _call_of(cap, head_dim, topk, pairs, sms, group=16, bulk=False) -> qs.ShortCall:
+    return qs.ShortCall(cap, head_dim, group, topk, pairs, sms, bulk)
 
 
 @pytest.mark.parametrize(
-    "cap, head_dim, topk, pairs, sms, takes",
+    "cap, head_dim, topk, pairs, sms, more, takes",
     [
-        ((9, 0), 128, 256, 1518, 132, True),  # at the threshold
-        ((9, 0), 128, 256, 1517, 132, False),  # just below
-        ((9, 0), 128, 512, 2046, 132, True),
-        ((9, 0), 128, 512, 2045, 132, False),
-        ((9, 0), 64, 2048, 4092, 132, True),
-        ((9, 0), 64, 2048, 4091, 132, False),
-        ((9, 0), 128, 4096, 4092, 132, True),
-        ((9, 0), 128, 1, 1 << 20, 132, True),
-        ((9, 0), 128, 4097, 1 << 20, 132, False),  # past the longest measured selection
-        ((9, 0), 128, 0, 4096, 132, False),  # nothing to attend: the single pass's zeros
-        ((9, 0), 256, 512, 4096, 132, False),  # w1s2 cannot hold D = 256
-        ((9, 0), 128, 512, 1767, 114, True),  # per SM (H100 PCIe: 15.5 x 114 = 1767)
-        ((9, 0), 128, 512, 1766, 114, False),
-        ((10, 0), 128, 512, 1 << 20, 148, False),  # Blackwell keeps the single pass
-        ((10, 3), 128, 512, 1 << 20, 148, False),
-        ((10, 7), 128, 512, 1 << 20, 148, False),
-        ((8, 9), 128, 512, 1 << 20, 128, False),
+        ((9, 0), 128, 256, 1518, 132, {}, True),  # at the threshold (cp.async gathers)
+        ((9, 0), 128, 256, 1517, 132, {}, False),  # just below
+        ((9, 0), 128, 256, 766, 132, dict(bulk=True), True),  # bulk copies: 2 warps a row
+        ((9, 0), 128, 256, 765, 132, dict(bulk=True), False),
+        ((9, 0), 128, 512, 2046, 132, dict(bulk=True), True),
+        ((9, 0), 128, 512, 2045, 132, dict(bulk=True), False),
+        ((9, 0), 128, 512, 2046, 132, {}, True),
+        ((9, 0), 128, 512, 2045, 132, {}, False),
+        ((9, 0), 64, 2048, 4092, 132, {}, True),
+        ((9, 0), 64, 2048, 4091, 132, {}, False),
+        ((9, 0), 128, 4096, 4092, 132, {}, True),
+        ((9, 0), 128, 2048, 1 << 20, 132, dict(group=8, bulk=True), False),  # TMMA past 512
+        ((9, 0), 128, 513, 1 << 20, 132, dict(group=4), False),
+        ((9, 0), 128, 512, 4092, 132, dict(group=8, bulk=True), True),
+        ((9, 0), 128, 1, 1 << 20, 132, {}, True),
+        ((9, 0), 128, 4097, 1 << 20, 132, {}, False),  # past the longest measured selection
+        ((9, 0), 128, 0, 4096, 132, {}, False),  # nothing to attend: the single pass's zeros
+        ((9, 0), 256, 512, 4096, 132, {}, False),  # w1s2 cannot hold D = 256
+        ((9, 0), 128, 512, 1767, 114, {}, True),  # per SM (H100 PCIe: 15.5 x 114 = 1767)
+        ((9, 0), 128, 512, 1766, 114, {}, False),
+        ((10, 0), 128, 512, 1 << 20, 148, {}, False),  # Blackwell keeps the single pass
+        ((10, 3), 128, 512, 1 << 20, 148, {}, False),
+        ((10, 7), 128, 512, 1 << 20, 148, {}, False),
+        ((8, 9), 128, 512, 1 << 20, 128, {}, False),
     ],
 )
-def test_takes_short(cap, head_dim, topk, pairs, sms, takes):
-    assert qs.takes_short(cap, head_dim, topk, pairs, sms) is takes
+def test_takes_short(cap, head_dim, topk, pairs, sms, more, takes):
+    assert qs.takes_short(_call_of(cap, head_dim, topk, pairs, sms, **more)) is takes
 
 
 def test_option_none_false_true():
     cap, sms = H200
-    assert qs.short_choice(None, cap, 128, 512, 4096, sms, True)
-    assert not qs.short_choice(None, cap, 128, 512, 4096, sms, False)  # a split: kept
-    assert not qs.short_choice(False, cap, 128, 512, 4096, sms, True)
+    assert qs.short_choice(None, _call_of(cap, 128, 512, 4096, sms), True)
+    assert not qs.short_choice(None, _call_of(cap, 128, 512, 4096, sms), False)  # a split: kept
+    assert not qs.short_choice(False, _call_of(cap, 128, 512, 4096, sms), True)
     for where in [((10, 0), 1, False), ((8, 9), 4096, True), (cap, 4096, True)]:
-        assert qs.short_choice(True, where[0], 64, 4096, where[1], sms, where[2])
-    assert not qs.short_choice(True, cap, 128, 0, 4096, sms, True)  # no selection
+        assert qs.short_choice(True, _call_of(where[0], 64, 4096, where[1], sms), where[2])
+    assert not qs.short_choice(True, _call_of(cap, 128, 0, 4096, sms), True)  # no selection
     with pytest.raises(ValueError, match=r"QsaOptions\(short=True\).*head_dim 256"):
-        qs.short_choice(True, cap, 256, 512, 4096, sms, True)
-    assert not qs.short_choice(False, cap, 256, 512, 4096, sms, True)
+        qs.short_choice(True, _call_of(cap, 256, 512, 4096, sms), True)
+    assert not qs.short_choice(False, _call_of(cap, 256, 512, 4096, sms), True)
     for bad in [1, 0, "yes", 1.0]:
         with pytest.raises(TypeError, match="short must be None, True or False"):
             QsaOptions(short=bad)
@@ -109,12 +124,14 @@ def _call(options: QsaOptions, dispatch: bool, **shape) -> None:
 # rows x Hkv at the H200's threshold for the selection and one row below; (hq, hkv, d, page,
 # topk, combined)
 PLANNED = [
-    (256, 16, 8, 128, 64, 300, True, (2, 128, *W1S2, True, True, True)),  # G 2: TMMA, bulk
+    (256, 16, 8, 128, 64, 300, True, (2, 128, *W2S2, True, True, True)),  # G 2: TMMA, bulk
     (255, 16, 8, 128, 64, 300, True, None),
+    (512, 16, 8, 128, 64, 300, True, (2, 128, *W1S2, True, True, True)),  # 31 pairs an SM
     (380, 64, 4, 64, 16, 77, False, (16, 64, *W1S2, False, False, True)),  # cp.async
     (379, 64, 4, 64, 16, 77, False, None),
-    (4092, 8, 1, 128, 16, 2048, False, (8, 128, *W1S2, False, True, True)),
-    (4091, 8, 1, 128, 16, 2048, False, None),
+    (4092, 16, 1, 128, 16, 2048, False, (16, 128, *W1S2, False, False, True)),
+    (4091, 16, 1, 128, 16, 2048, False, None),
+    (4092, 8, 1, 128, 16, 2048, False, None),  # G 8 past topk 512: the single pass
     (4092, 8, 1, 128, 16, 4097, False, None),  # past SHORT_MAX_TOPK
     (4092, 8, 1, 256, 16, 300, False, None),
 ]
@@ -169,31 +186,34 @@ def test_forced_short_replaces_the_split_and_refuses_head_dim_256(monkeypatch):
 def test_warmup_and_prebuild_hold_the_dispatched_kernel(monkeypatch, hq, hkv, d, topk, combined):
     """What a call at the threshold launches is in warm-up's list and prebuild's."""
     seen = _planned(monkeypatch)
-    rows = -(-qs.short_min_pairs(132, topk) // hkv)
+    rows = -(-qs.short_min_pairs(132, topk, combined and d == 128) // hkv)
     shape = dict(hq=hq, hkv=hkv, d=d, page=64, topk=topk, combined=combined)
     _call(QsaOptions(), True, rows=rows, **shape)
     assert "qsa_decode_short" in dict(seen)
     shipped = qsa.OP.default.options
     entries, forms = shipped.slot_entries, (shipped.tmma, shipped.lean)
-    reach = qs.short_reached(shipped.short, (9, 0), d, topk)
+    reach = qs.short_reached(
+        shipped.short, qs.ShortCall((9, 0), d, hq // hkv, topk, 0, 0, combined)
+    )
     plans = qsa_warmup.dispatch_plans(hq // hkv, d, 64, hkv, topk, combined, 132, entries,
                                       qk.H200_WAVE_CLUSTERS.get, *forms,
                                       qk.DECODE_MIN_PROGRAMS_SM90, reach)  # fmt: skip
     assert set(seen) <= {(f.family, p) for f, p in plans}
     specs = qsa_warmup.all_specs(hq // hkv, d, 64, entries, *forms, True)
     assert {f.spec(p).label for f, p in plans} <= {s.label for s in specs}
-    assert not qs.short_reached(None, (10, 0), d, topk)
-    assert not qs.short_reached(False, (9, 0), d, topk)
-    assert not qs.short_reached(None, (9, 0), d, 0)
+    for option, cap, width in [(None, (10, 0), topk), (False, (9, 0), topk), (None, (9, 0), 0)]:
+        assert not qs.short_reached(option, qs.ShortCall(cap, d, hq // hkv, width, 0, 0, combined))
 
 
 def test_prebuild_adds_the_short_kernels_on_sm_90a_only():
     workloads = qsa.OP.load_workloads()
     specs = qsa.OP.prebuild_specs(workloads, qsa.OP.default.options)
     short = [s for s in specs if s.family == "qsa_decode_short"]
-    # D 128: groups 1, 2, 4, 8, 16 x bulk copies or not; D 64: groups 8, 16 (cp.async)
-    assert len(short) == 12
-    assert {(s.param_dict["num_warps"], s.param_dict["num_stages"]) for s in short} == {(1, 2)}
+    # D 128: groups 1, 2, 4, 8, 16 x (w1s2 with bulk copies or not, w2s2 with them); D 64:
+    # groups 8, 16 (cp.async, w1s2)
+    assert len(short) == 17
+    configs = {(s.param_dict["num_warps"], s.param_dict["num_stages"]) for s in short}
+    assert configs == {(1, 2), (2, 2)}
     assert all(s.param_dict["order"] for s in short)
     archs = ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
     for spec in short:
@@ -241,10 +261,12 @@ def _gpu_case(rows: int, shape: tuple, seed: int) -> dict:
     return case
 
 
-# (hq, hkv, d, page, topk, combined cache): G 2 (TMMA) with bulk copies, G 16 at D 64, G 4
-# over a plain cache; selections not a multiple of the chunk (77, 1999, 40), pages 16 and 64
+# (hq, hkv, d, page, topk, combined cache): G 2 (TMMA) with bulk copies, G 16 at D 64, G 16
+# over a plain cache, G 16 with bulk copies (two warps a row at the threshold); selections
+# not a multiple of the chunk (77, 1999, 40), pages 16 and 64
 GPU_SHAPES = [(16, 8, 128, 64, 300, True), (64, 4, 64, 16, 77, False),
-              (32, 8, 128, 16, 1999, False), (16, 8, 64, 64, 40, False)]  # fmt: skip
+              (128, 8, 128, 16, 1999, False), (16, 8, 64, 64, 40, False),
+              (64, 4, 128, 64, 256, True)]  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -257,11 +279,14 @@ def test_gpu_dispatched_short_path(planned, side, shape):
 
     if capability(0) != (9, 0):
         pytest.skip("the dispatcher takes the short single pass on sm_90 only")
-    rows = -(-qs.short_min_pairs(sm_count(0), shape[4]) // shape[1]) + side
+    hq, hkv, d, _, topk, combined = shape
+    call = qs.ShortCall((9, 0), d, hq // hkv, topk, 0, sm_count(0), combined and d == 128)
+    rows = -(-qs.short_min_pairs(call.sms, topk, call.bulk) // hkv) + side
     case = _gpu_case(rows, shape, seed=rows + shape[4])
     got = qsa.qsa_sparse_paged_attention(*args_of(case))
     torch.cuda.synchronize()
-    assert planned[-1] == (SHORT_VARIANT if side == 0 else Variant())
+    expected = short_variant(call._replace(pairs=rows * hkv))
+    assert planned[-1] == (expected if side == 0 else Variant())
     assert_close(got, ref_of(case))
     assert (got[1] == 0).all() and (got[3] == 0).all()  # count 0, no request
 
@@ -273,5 +298,9 @@ def test_gpu_forced_short_path(planned, shape):
     case = _gpu_case(9, shape, seed=shape[4] + 1)
     qsa.OP.runner(QsaOptions(short=True)).call(*args_of(case), dispatch=True)
     torch.cuda.synchronize()
-    assert planned[-1] == SHORT_VARIANT
+    from jit_kernels import capability, sm_count
+
+    hq, hkv, d, _, topk, combined = shape
+    call = qs.ShortCall(capability(0), d, hq // hkv, topk, 9 * hkv, sm_count(0), combined)
+    assert planned[-1] == short_variant(call._replace(bulk=combined and d == 128))
     assert_close(case["out"], ref_of(case))

@@ -128,7 +128,9 @@ def dispatcher(args):
 def dispatch_split(rows, hkv, topk) -> tuple:
     """The dispatcher's (splits, config, pair) on this device (D=128, uint8 cache), the
     short single pass left out: the alternatives vary the single pass and the clusters."""
-    variant = qsa_plan.dispatch_split(rows, hkv, topk, HEAD_DIM, torch.uint8, 0, short=False)
+    variant = qsa_plan.dispatch_split(
+        rows, hkv, topk, HEAD_DIM, torch.uint8, 0, short=False, group=16, bulk=True
+    )  # (the short pass left out)
     return variant.num_splits, variant.config, variant.pair
 
 
@@ -344,7 +346,9 @@ def banner() -> dict:
     print(f"sm_90: the single pass from rows*Hkv >= {qk.DECODE_MIN_PROGRAMS_SM90}; in its place "
           f"the short single pass {qs.SHORT_DISPATCH} (rows in order) from "
           f"(topk up to, pairs per SM) {qs.SHORT_MIN_PAIRS_PER_SM} at head_dim "
-          f"{qs.SHORT_HEAD_DIMS} (short.takes_short)", flush=True)  # fmt: skip
+          f"{qs.SHORT_HEAD_DIMS}; with bulk copies {qs.SHORT_WIDE} from "
+          f"{qs.SHORT_WIDE_MIN_PAIRS_PER_SM}, {qs.SHORT_DISPATCH} from "
+          f"{qs.SHORT_ONE_WARP_PER_SM} (short.takes_short)", flush=True)  # fmt: skip
     return info
 
 

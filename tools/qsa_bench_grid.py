@@ -22,7 +22,7 @@ from qsa_bench_util import BANDWIDTH, n_sets_for
 
 from flashinfer_jit.qsa import kernels as qk
 from flashinfer_jit.qsa import short as qs
-from flashinfer_jit.qsa.plan import SHORT_VARIANT, Choice, QsaOptions, Variant, launch_choice
+from flashinfer_jit.qsa.plan import Choice, QsaOptions, Variant, launch_choice, short_variant
 from jit_kernels import KernelSpec
 
 GATE = qk.DECODE_MIN_PROGRAMS  # rows x Hkv from which the dispatcher takes the single pass
@@ -34,7 +34,7 @@ H200_CAP = (9, 0)
 # picks, often the one-wave split. k2 is timed up to 4x the gate, so the sweep shows
 # whether the split should reach past it; k4 up to half the gate (more splits only add
 # merges once a 2-CTA grid fills the device). "short": the short single pass as the
-# dispatcher takes it (plan.SHORT_VARIANT), wherever it serves the point (short.short_choice
+# dispatcher takes it (plan.short_variant), wherever it serves the point (short.short_choice
 # forced on) from sm_90's single-pass crossover on, so the sweep shows where it should start
 # (short.SHORT_MIN_PAIRS_PER_SM, provisional) and end (SHORT_MAX_TOPK: topk 4096 timed too).
 SPLITS = ("k2", "k4", "split")
@@ -126,15 +126,22 @@ def variants_of(point: Point, sms: int, clusters: qk.Clusters) -> dict[str, Vari
     if point.pairs < GATE:
         out["split"] = split_variant(point, sms, clusters)
     if point.pairs >= SHORT_MIN_TIMED and point.head_dim in qs.SHORT_HEAD_DIMS and point.topk:
-        out["short"] = SHORT_VARIANT
+        out["short"] = short_variant(short_call(point, sms))
     return out
+
+
+def short_call(point: Point, sms: int) -> qs.ShortCall:
+    """What the short rule reads of ``point`` on an sm_90 of ``sms`` SMs (the bench's caches
+    are the combined layout: bulk copies at D=128)."""
+    return qs.ShortCall(H200_CAP, point.head_dim, point.group, point.topk, point.pairs, sms,
+                        point.head_dim == 128)  # fmt: skip
 
 
 def dispatch_variant(point: Point, sms: int, clusters: qk.Clusters) -> Variant:
     """plan.dispatch_split without a device (``sms`` and ``clusters`` given, sm_90's short
     rule; the split gate GATE)."""
-    if qs.takes_short(H200_CAP, point.head_dim, point.topk, point.pairs, sms):
-        return SHORT_VARIANT
+    if qs.takes_short(short_call(point, sms)):
+        return short_variant(short_call(point, sms))
     return Variant() if point.pairs >= GATE else split_variant(point, sms, clusters)
 
 

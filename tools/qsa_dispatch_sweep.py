@@ -144,7 +144,8 @@ def measure(point: grid.Point, gib: float, seed_fn: Callable | None, index: int)
     times: dict[str, object] = {**graphs, **time_graphs(ok, len(sets), reps)}
     times.update({label: times[same] for label, same in labels.items() if same != label})
     times.setdefault("triton", None)
-    chosen = qsa_plan.dispatch_split(p.rows, p.hkv, p.topk, p.head_dim, torch.uint8, 0)
+    chosen = qsa_plan.dispatch_split(p.rows, p.hkv, p.topk, p.head_dim, torch.uint8, 0,
+                                     group=p.group, bulk=p.head_dim == 128)  # fmt: skip
     pick = grid.pick_label(p, chosen, sms, clusters)
     row = grid.summarize(p, floor, times, pick or f"k{chosen.num_splits}?")
     return {**row, "sets": len(sets), "reps": reps}
@@ -197,7 +198,8 @@ def report(rows: list[dict]) -> None:
     print("\n".join(grid.gate_lines(done)))
     print("\n== short gate data: short single pass µs / single pass (k1) µs by rows x Hkv "
           f"(< 1: short wins; the rule: from (topk up to, pairs per SM) "
-          f"{qs.SHORT_MIN_PAIRS_PER_SM} on this device's {sm_count(0)} SMs)")  # fmt: skip
+          f"{qs.SHORT_MIN_PAIRS_PER_SM}, with bulk copies {qs.SHORT_WIDE_MIN_PAIRS_PER_SM} "
+          f"on this device's {sm_count(0)} SMs)")  # fmt: skip
     print("\n".join(grid.gate_lines(done, ("short",))))
     print("\n== QSA dispatch sweep: graph µs per call, whole call; floor = selected K/V + q, "
           "gate, out, indices over 4.24 TB/s; bar: disp <= 1.03 x best of ours, >= 85% of "
@@ -222,6 +224,7 @@ def sweep_main(opts: argparse.Namespace, banner: Callable[[], dict]) -> None:
     seed_fn = load_seed(seed_path)
     meta = {**banner(), "part": opts.part, "pairs": opts.pairs, "points": len(points)}
     meta |= {"gate": grid.GATE, "short_min_pairs_per_sm": qs.SHORT_MIN_PAIRS_PER_SM}
+    meta |= {"short_wide_min_pairs_per_sm": qs.SHORT_WIDE_MIN_PAIRS_PER_SM}
     meta |= {"sms": sms, "clusters": {k: clusters(k) for k in range(2, 9)}}
     meta |= {"seed": str(seed_path) if seed_fn else None, "version": __version__}
     if seed_fn is not None:

@@ -22,7 +22,14 @@ from .._jit import cuda_device_index
 from ..contract import Op, ScalarArg, TensorArg
 from .checks import WORKLOAD_FIELDS, check_args, kernel_refusal
 from .launch import DecodeLaunch
-from .plan import QsaOptions, Variant, decode_launch, dispatch_split, single_pass_variant
+from .plan import (
+    QsaOptions,
+    Variant,
+    bulk_ok,
+    decode_launch,
+    dispatch_split,
+    single_pass_variant,
+)
 from .reference import qsa_decode_torch
 from .short import short_prebuilt_on
 from .warmup import prebuild_specs
@@ -57,13 +64,14 @@ class Qsa(Op[DecodeLaunch, QsaOptions]):
         return kernel_refusal(q, k_cache, v_cache, logical_indices, out, output_gate)
 
     def plan(self, args: tuple, options: QsaOptions) -> DecodeLaunch:
-        q, k_cache, indices = args[0], args[1], args[3]
+        q, k_cache, v_cache, indices = args[0], args[1], args[2], args[3]
         shape = (q.shape[0], k_cache.shape[2], indices.shape[1] - 1, q.shape[2])
         device = cuda_device_index(q)
+        call = dict(group=q.shape[1] // k_cache.shape[2], bulk=bulk_ok(k_cache, v_cache, device))
         if args[10]:
-            variant = dispatch_split(*shape, k_cache.dtype, device, options.short)
+            variant = dispatch_split(*shape, k_cache.dtype, device, options.short, **call)
         else:
-            variant = single_pass_variant(*shape, device, options.short)
+            variant = single_pass_variant(*shape, device, options.short, **call)
         return decode_launch(args, options, variant)
 
     def reference(self, args: tuple) -> None:

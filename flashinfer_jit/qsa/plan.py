@@ -36,7 +36,14 @@ from .kernels import (
     wave_smem_bytes,
 )
 from .launch import DecodeLaunch, SlotPass
-from .short import SHORT_DEFAULT, SHORT_DISPATCH, checked_short_config, short_choice, short_plan
+from .short import (
+    SHORT_DEFAULT,
+    ShortCall,
+    checked_short_config,
+    short_choice,
+    short_config,
+    short_plan,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +62,7 @@ class QsaOptions(Options):
     410.7; all four off 248.1 / 484.0 / 422.9; each one off: no PDL 243.3 / 451.8 / 416.0,
     1 slot entry 245.8 / 454.2 / 416.4, no TMMA - / 473.0 / 416.3, no LEAN 243.1 / 458.1 /
     414.0. The other forms stay reachable for that comparison and are GPU-tested.
-    ``short``: the short single pass (``short.py``, SHORT_DISPATCH in the slot pass's row
+    ``short``: the short single pass (``short.py``, short.short_config in the slot pass's row
     order): None where ``short.takes_short`` says (sm_90, many rows, short selections);
     False never; True every call it serves (head_dim 64 or 128, topk > 0; a call at another
     head dim raises ValueError).
@@ -304,8 +311,12 @@ def _single_pass(base_programs: int, cache_dtype: torch.dtype, least: int) -> bo
     return cache_dtype in FP8_CACHE_DTYPES and base_programs >= least
 
 
-# The short single pass as the dispatcher launches it (short.takes_short, QsaOptions.short).
-SHORT_VARIANT = Variant(config=SHORT_DISPATCH, short=True, order=True)
+def short_variant(call: ShortCall) -> Variant:
+    """The short single pass as the dispatcher launches it for ``call`` (short.short_config,
+    rows in the slot pass's order)."""
+    return Variant(
+        config=short_config(call.bulk, call.topk, call.pairs, call.sms), short=True, order=True
+    )
 
 
 def dispatch_split(
@@ -316,32 +327,44 @@ def dispatch_split(
     cache_dtype: torch.dtype,
     device: int,
     short: bool | None = None,
+    *,
+    group: int,
+    bulk: bool,
 ) -> Variant:
     """The dispatcher's variant for a call: 1 split (the single pass) from the device's
     crossover on, else kernels.launch_split on this device's SMs and clusters; the short
     single pass in place of either where ``short`` (QsaOptions.short) and
-    short.short_choice say."""
+    short.short_choice say (``group``: query heads a kv head; ``bulk``: bulk_ok's answer)."""
     least = decode_min_programs(capability(device))
     single = _single_pass(rows * num_kv_heads, cache_dtype, least)
-    if _takes_short(short, rows, num_kv_heads, topk, head_dim, device, single):
-        return SHORT_VARIANT
+    call = _short_call(rows, num_kv_heads, topk, head_dim, device, group, bulk)
+    if short_choice(short, call, single):
+        return short_variant(call)
     if single:
         return Variant()
-    sms, clusters = sm_count(device), wave_clusters(device)
+    sms, clusters = call.sms, wave_clusters(device)
     splits, config, pair = launch_split(rows, num_kv_heads, topk, head_dim, sms, clusters, least)
     return Variant(splits, None, config, None, pair)
 
 
 def single_pass_variant(
-    rows: int, num_kv_heads: int, topk: int, head_dim: int, device: int, short: bool | None = None
+    rows: int,
+    num_kv_heads: int,
+    topk: int,
+    head_dim: int,
+    device: int,
+    short: bool | None = None,
+    *,
+    group: int,
+    bulk: bool,
 ) -> Variant:
     """The single-pass entry point's variant: the single pass, or the short single pass
     where ``short`` (QsaOptions.short) and short.short_choice say."""
-    taken = _takes_short(short, rows, num_kv_heads, topk, head_dim, device, True)
-    return SHORT_VARIANT if taken else Variant()
+    call = _short_call(rows, num_kv_heads, topk, head_dim, device, group, bulk)
+    return short_variant(call) if short_choice(short, call, True) else Variant()
 
 
-def _takes_short(short, rows: int, num_kv_heads: int, topk: int, head_dim: int, device: int,
-                 single: bool) -> bool:  # fmt: skip
+def _short_call(rows: int, num_kv_heads: int, topk: int, head_dim: int, device: int, group: int,
+                bulk: bool) -> ShortCall:  # fmt: skip
     cap, sms = capability(device), sm_count(device)
-    return short_choice(short, cap, head_dim, topk, rows * num_kv_heads, sms, single)
+    return ShortCall(cap, head_dim, group, topk, rows * num_kv_heads, sms, bulk)

@@ -1,6 +1,7 @@
 """The short single pass: short selections over many rows (issue 22). On sm_90 the dispatcher
-takes it (``takes_short``: SHORT_DISPATCH with the slot pass's row order) in place of the
-single pass from SHORT_MIN_PAIRS_PER_SM (row, kv head) pairs per SM on (by topk);
+takes it (``takes_short``, ``short_config``: with the slot pass's row order) in place of the
+single pass from SHORT_MIN_PAIRS_PER_SM (row, kv head) pairs per SM on (by topk; with bulk
+copies at topk <= 512 from SHORT_WIDE_MIN_PAIRS_PER_SM, two warps a row below 31 an SM);
 ``QsaOptions.short`` forces it off or on. ``run_kernels(args, short=True, config=...,
 order=...)`` launches any config, ``tools/bench_qsa.py --short`` times them beside the
 shipped single pass and the seed's Triton kernel, and the dispatch sweep's "short" column
@@ -25,6 +26,7 @@ drops a dependent L2 load from every CTA's chain and the slot pass's sorting CTA
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from jit_kernels import KernelSpec, arch_capability
 
@@ -65,15 +67,16 @@ SHORT_CONFIGS = {
 }
 SHORT_DEFAULT = SHORT_CONFIGS["w1s4"]
 
-# What the dispatcher takes: w1s2 in the slot pass's row order, the fastest of our kernels
-# at all 8 points of round 10 (H200, docs/perf-log/qsa.md: 1.02-1.21x the single pass k1;
-# D 128, topk 256-2048, 4096 pairs). Head dims 64 and 128 (w1s2's launch bound of 16 CTAs
-# leaves 128 registers, too few for D = 256's accumulators); sm_90 only (what the H200
-# measured; sm_100/103/107 keep the single pass).
+# What the dispatcher takes, rows in the slot pass's order: w1s2 (16 one-warp rows an SM),
+# and with bulk copies (D = 128, the combined cache) at topk <= SHORT_WIDE_MAX_TOPK w2s2 (8
+# two-warp rows) below SHORT_ONE_WARP_PER_SM pairs an SM. Head dims 64 and 128 (w1s2's launch
+# bound of 16 CTAs leaves 128 registers, too few for D = 256's accumulators); sm_90 only
+# (what the H200 measured; sm_100/103/107 keep the single pass).
 SHORT_DISPATCH = SHORT_CONFIGS["w1s2"]
+SHORT_WIDE = SHORT_CONFIGS["w2s2"]
 SHORT_HEAD_DIMS = (64, 128)
 SHORT_CAPS = ((9, 0),)
-# (topk up to, rows x Hkv per SM from which the short pass is the faster): the H200's
+# (topk up to, rows x Hkv per SM from which the short pass is the faster), w1s2: the H200's
 # dispatch sweep of QSA round 11 (72 points, rows x Hkv 512-4096, docs/perf-log/qsa.md),
 # short / k1 by selection: topk 256 1.25-1.38 at 1024 pairs (7.8 an SM), 0.96 at 1536
 # (11.6), 0.83-0.88 from 2048; topk 512 1.14 at 1536, 0.97-0.98 at 2048 (15.5), 0.98-1.02
@@ -81,54 +84,84 @@ SHORT_CAPS = ((9, 0),)
 # (31), topk 4096 0.97-0.98 at 4096. Topk 1024 takes 2048's threshold (not measured).
 SHORT_MIN_PAIRS_PER_SM = ((256, 11.5), (512, 15.5), (4096, 31.0))
 SHORT_MAX_TOPK = SHORT_MIN_PAIRS_PER_SM[-1][0]
+# With bulk copies at topk <= 512, w2s2 from these (QSA round 17, 34 points of G 4-16, topk
+# 256 / 512 x 512-4096 pairs, beside the single pass at 2 stages, "k1s2"): topk 256 w2s2 /
+# k1s2 0.96 at 768 pairs (5.8 an SM), 0.92 at 1024, 1.02 at 1536, 0.89 at 2048-3072; topk 512
+# 1.04 at 1024-1536, 0.92 at 2048 (15.5), 0.93 at 3072; w1s2 / w2s2 1.02-1.03 at 2048-3072,
+# 0.97-0.98 at 4096 (31, SHORT_ONE_WARP_PER_SM).
+SHORT_WIDE_MIN_PAIRS_PER_SM = ((256, 5.8), (512, 15.5))
+SHORT_WIDE_MAX_TOPK = SHORT_WIDE_MIN_PAIRS_PER_SM[-1][0]
+SHORT_ONE_WARP_PER_SM = 31.0
+# Past topk SHORT_WIDE_MAX_TOPK the short pass serves groups above TMMA_MAX_GROUP only: at
+# groups <= 8 (the TMMA form) and topk 2048 it was 2.4-5.8 % behind the single pass at
+# 4096-32768 pairs (QSA round 17: 512/32/8/2048 423.3 against 399.4 µs, 4096/8/1/2048
+# 451.7 / 430.6, 4096/32/8/2048 3092 / 3020), where G = 16 stays 1-5 % ahead.
 
 
-def short_min_pairs(sms: int, topk: int) -> int:
+def _bulk_wide(bulk: bool, topk: int) -> bool:
+    return bulk and 0 < topk <= SHORT_WIDE_MAX_TOPK
+
+
+def short_min_pairs(sms: int, topk: int, bulk: bool) -> int:
     """rows x Hkv from which the rule takes the short single pass on ``sms`` SMs for a
-    selection of ``topk`` (0 < topk <= SHORT_MAX_TOPK)."""
-    per_sm = next(p for upto, p in SHORT_MIN_PAIRS_PER_SM if topk <= upto)
+    selection of ``topk`` (0 < topk <= SHORT_MAX_TOPK), ``bulk``: with bulk copies."""
+    table = SHORT_WIDE_MIN_PAIRS_PER_SM if _bulk_wide(bulk, topk) else SHORT_MIN_PAIRS_PER_SM
+    per_sm = next(p for upto, p in table if topk <= upto)
     return math.ceil(per_sm * sms)
 
 
-def takes_short(cap: tuple[int, int], head_dim: int, topk: int, pairs: int, sms: int) -> bool:
+def short_config(bulk: bool, topk: int, pairs: int, sms: int) -> Config:
+    """The short single pass's (warps, stages, min CTAs) for a call it serves: w2s2 with
+    bulk copies at short selections below SHORT_ONE_WARP_PER_SM pairs an SM, else w1s2."""
+    wide = _bulk_wide(bulk, topk) and pairs < math.ceil(SHORT_ONE_WARP_PER_SM * sms)
+    return SHORT_WIDE if wide else SHORT_DISPATCH
+
+
+class ShortCall(NamedTuple):
+    """What the short rule reads of a call: the device (capability, SMs), the geometry, the
+    selection's width, rows x Hkv, and whether its gather is the bulk copies."""
+
+    cap: tuple[int, int]
+    head_dim: int
+    group: int
+    topk: int
+    pairs: int
+    sms: int
+    bulk: bool
+
+
+def takes_short(call: ShortCall) -> bool:
     """The dispatcher's rule (``QsaOptions.short`` None) for a call that takes the single
-    pass anyway: the short single pass on compute capability ``cap`` with ``sms`` SMs at
-    ``pairs`` = rows x Hkv. The sweep moves the threshold here, in one place."""
+    pass anyway. The sweeps move the thresholds here, in one place."""
     return (
-        cap in SHORT_CAPS
-        and head_dim in SHORT_HEAD_DIMS
-        and 0 < topk <= SHORT_MAX_TOPK
-        and pairs >= short_min_pairs(sms, topk)
+        call.cap in SHORT_CAPS
+        and call.head_dim in SHORT_HEAD_DIMS
+        and 0 < call.topk <= SHORT_MAX_TOPK
+        and (call.topk <= SHORT_WIDE_MAX_TOPK or call.group > TMMA_MAX_GROUP)
+        and call.pairs >= short_min_pairs(call.sms, call.topk, call.bulk)
     )
 
 
-def short_choice(
-    option: bool | None,
-    cap: tuple[int, int],
-    head_dim: int,
-    topk: int,
-    pairs: int,
-    sms: int,
-    single: bool,
-) -> bool:
+def short_choice(option: bool | None, call: ShortCall, single: bool) -> bool:
     """Whether a call takes the short single pass: ``option`` (QsaOptions.short) None, the
     rule where the call takes the single pass (``single``); False, never; True, every call
     it serves (head_dim 64 or 128, a selection: topk > 0), any arch, any row count, in
     place of the single pass or the split. True at another head dim raises ValueError."""
     if option is None:
-        return single and takes_short(cap, head_dim, topk, pairs, sms)
-    if option and head_dim not in SHORT_HEAD_DIMS:
+        return single and takes_short(call)
+    if option and call.head_dim not in SHORT_HEAD_DIMS:
         raise ValueError(
             f"QsaOptions(short=True): the short single pass serves head_dim "
-            f"{' or '.join(map(str, SHORT_HEAD_DIMS))}, got head_dim {head_dim}"
+            f"{' or '.join(map(str, SHORT_HEAD_DIMS))}, got head_dim {call.head_dim}"
         )
-    return bool(option) and topk > 0
+    return bool(option) and call.topk > 0
 
 
-def short_reached(option: bool | None, cap: tuple[int, int], head_dim: int, topk: int) -> bool:
+def short_reached(option: bool | None, call: ShortCall) -> bool:
     """Whether some row count of this geometry takes the short pass (warm-up): the rule's
-    threshold is a number of rows, which a serving step can reach at any width."""
-    return short_choice(option, cap, head_dim, topk, pairs=1 << 62, sms=1, single=True)
+    threshold is a number of rows, which a serving step can reach at any width (``call``'s
+    pairs and SMs are not read)."""
+    return short_choice(option, call._replace(pairs=1 << 62, sms=1), single=True)
 
 
 def short_smem_bytes(head_dim: int, config: Config, bulk: bool) -> int:

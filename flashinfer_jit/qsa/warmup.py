@@ -34,7 +34,15 @@ from .kernels import (
     takes_bulk,
 )
 from .plan import QsaOptions, bulk_ok, wave_clusters
-from .short import SHORT_DISPATCH, SHORT_HEAD_DIMS, short_plan, short_reached
+from .short import (
+    SHORT_DISPATCH,
+    SHORT_HEAD_DIMS,
+    SHORT_WIDE,
+    SHORT_WIDE_MAX_TOPK,
+    ShortCall,
+    short_plan,
+    short_reached,
+)
 
 
 # TOPK (the issue lists a "TOPK tile count" axis) is not a template parameter: the decode
@@ -84,18 +92,19 @@ def warmup_qsa_fp8_decode(
     device = cuda_device_index(kv_cache)
     cap = capability(device)
     k_cache, v_cache = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
-    geometry = (num_query_heads // num_kv_heads, head_dim, page_size, num_kv_heads)
+    group, bulk = num_query_heads // num_kv_heads, bulk_ok(k_cache, v_cache, device)
+    geometry = (group, head_dim, page_size, num_kv_heads)
     plans = dispatch_plans(
         *geometry,
         selection_width,
-        bulk_ok(k_cache, v_cache, device),
+        bulk,
         sm_count(device),
         options.slot_entries,
         wave_clusters(device),
         options.tmma,
         options.lean,
         decode_min_programs(cap),
-        short_reached(options.short, cap, head_dim, selection_width),
+        short_reached(options.short, ShortCall(cap, head_dim, group, selection_width, 0, 0, bulk)),
     )
     prepare(plans, device)  # compiled at once, then loaded one by one
     for family, params in plans:
@@ -141,6 +150,8 @@ def dispatch_plans(
     plans.append(decode_plan(group, head_dim, 0, False, bulk_ok, single, tmma, lean))
     if short:  # takes bulk copies wherever the single pass does (gather_choice)
         plans.append(short_plan(group, head_dim, bulk_ok, SHORT_DISPATCH, tmma, True))
+        if bulk_ok and 0 < topk <= SHORT_WIDE_MAX_TOPK:  # short.short_config's two warps
+            plans.append(short_plan(group, head_dim, True, SHORT_WIDE, tmma, True))
     if not topk:
         return plans  # nothing to split: the single pass serves every row count
     for rows in range(1, -(-min_programs // num_kv_heads)):
@@ -176,7 +187,8 @@ def all_specs(
         single = default_config(head_dim, 0, bulk)
         plans.append(decode_plan(group, head_dim, 0, False, bulk, single, tmma, lean))
         if short and head_dim in SHORT_HEAD_DIMS:
-            plans.append(short_plan(group, head_dim, bulk, SHORT_DISPATCH, tmma, True))
+            for config in (SHORT_DISPATCH, SHORT_WIDE) if bulk else (SHORT_DISPATCH,):
+                plans.append(short_plan(group, head_dim, bulk, config, tmma, True))
         for cluster in CLUSTER_SIZES:
             # takes_bulk gives bulk copies to 2-CTA clusters only (over two waves of CTAs)
             if bulk and not takes_bulk(True, cluster, grid_ctas=3, sms=1):
