@@ -24,7 +24,16 @@ from .test_qsa import add_hazards, args_of, assert_close, make_case, ref_of
 from .test_replay import FakeKernel, qsa_args, qsa_stub, stub  # noqa: F401 (fixtures)
 
 # Rows an SM holds of each config (D = 128, bulk copies; the comments of SHORT_CONFIGS).
-ROWS_PER_SM = {"w1s2": 16, "w1s3": 12, "w1s4": 12, "w1s6": 8, "w2s2": 8, "w2s3": 7, "w4s3": 4}
+ROWS_PER_SM = {
+    "w1s2": 16,
+    "w1s3": 12,
+    "w1s4": 12,
+    "w1s6": 8,
+    "w2s2": 8,
+    "w2s3": 7,
+    "w4s3": 4,
+    "w4s2": 4,
+}
 
 
 def test_short_configs_hold_their_rows_per_sm():

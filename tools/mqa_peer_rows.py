@@ -107,6 +107,9 @@ WIDE = {
     "d32n2": [("3x36-r160", MqaLogitsOptions(config=T(3, 36, 4, 2, 1, 0, 160))), *_paired(32, 40)],
     **{name: [UNPAIRED] for name in ("b256n2", "b64L64kn2", "skew128n2")},
     "d96n2": _paired(16),
+    # next_n=4 H=32 is n = 128 too: the same two accumulator sets fit (168 registers, no
+    # spills, sm_90a); the dispatcher's three warpgroups at 160 beside them (session 27)
+    "b128n4h32": _paired(8, 16),
     **{row.name: [UNPAIRED] for row in PAIR_ROWS},
 }
 SWEEPS: dict[str, list] = {

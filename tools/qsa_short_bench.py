@@ -55,7 +55,7 @@ POINTS = [
     Point(512, 32, 8, 512),  # 131.2 / 144.3 / 98.1 (G = 4: TMMA)
     Point(1024, 64, 4, 2048),  # 444.0 / 515.5 / 391.2
 ]
-ORDERED = ("w1s2", "w1s4", "w2s2")  # configs also timed with the row order (+ord)
+ORDERED = ("w1s2", "w1s4", "w2s2", "w4s2")  # configs also timed with the row order (+ord)
 # The single pass with three bulk stages a warp, its shape until session 27 (two since: 3-8 %
 # faster at topk 256-512 over 512-1536 pairs, where session 27 timed them as "k1s2"), "k1s3".
 K1_THREE_STAGES = (4, 3, 4)

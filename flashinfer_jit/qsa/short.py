@@ -64,6 +64,7 @@ SHORT_CONFIGS = {
     "w2s2": (2, 2, 8),  # 8 rows, 4 chunks
     "w2s3": (2, 3, 8),  # 7 rows (8 by the bound; q in smem), 6 chunks
     "w4s3": (4, 3, 4),  # the single pass's config until session 27 (now 2 stages)
+    "w4s2": (4, 2, 4),  # the single pass's config since: isolates the row order (order=False)
 }
 SHORT_DEFAULT = SHORT_CONFIGS["w1s4"]
 
