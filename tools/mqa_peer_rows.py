@@ -147,6 +147,10 @@ SWEEPS: dict[str, list] = {
 # logits): level in 4 alternating rounds; "pf1" (a B=1 call's first reads prefetched into
 # L2 before griddepcontrol.wait): level; "b1" (a B=1 call's run without the warp's scan
 # and search): 8-15 % faster at B=1, since shipped (util.cuh, cta_tiles).
+# Session 27 timed "lap" (round 27): the unpaired lean loop unrolled over a lap of the ring
+# (stage s = wg + WGS k: per-stage addresses as immediates, descriptors in uniform
+# registers, ~10 instructions a tile fewer at d32): level to 2 % slower (d32 31.7 / 31.0);
+# spilled 8-72 bytes in the 112-register configs.
 VARIANTS: dict[str, tuple[tuple[str, ...], ...]] = {}
 VARIANT_ROWS = tuple(row.name for row in ROWS if row.head_dim_fits_tma())
 # Rows whose variants are also timed in a forced config (column "<variant>-<config>"); round
