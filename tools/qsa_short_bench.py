@@ -6,7 +6,9 @@ Per point, every column is checked against the torch path, captured as a CUDA gr
 call per input set (sets cycled past 4x L2, as the dispatch sweep) and timed in interleaved
 rounds: "k1" the shipped single pass (slot pass + decode: ``qsa_sparse_paged_decode``);
 "triton" the seed's kernel; "probe" the gather alone (tools/kernels/qsa_gather_probe.cuh,
-slots resolved outside the timing: this access pattern's ceiling); one column per
+slots resolved outside the timing, one grid: up to 1.9x slower than the faster of the two
+grids tools/qsa_gather_floor.py takes, which is the floor to quote); "k1s3" the single
+pass at 3 stages (its shape until session 27); one column per
 SHORT_CONFIGS entry in index order (no row order), and "+ord" columns with the slot pass's
 row order. The table prints last; the JSON is rewritten after each point.
 """
