@@ -5,9 +5,9 @@ opt-in, not dispatched) beside the shipped single pass and the seed's Triton ker
 Per point, every column is checked against the torch path, captured as a CUDA graph of one
 call per input set (sets cycled past 4x L2, as the dispatch sweep) and timed in interleaved
 rounds: "k1" the shipped single pass (slot pass + decode: ``qsa_sparse_paged_decode``);
-"triton" the seed's kernel; "probe" the gather alone (tools/kernels/qsa_gather_probe.cuh,
-slots resolved outside the timing, one grid: up to 1.9x slower than the faster of the two
-grids tools/qsa_gather_floor.py takes, which is the floor to quote); "k1s3" the single
+"triton" the seed's kernel; "gather" the memory floor of the call's selection
+(tools/qsa_gather_floor.py: the gather probe, the faster of its two grids; until session
+27 this column was an older one-grid probe, "probe", up to 1.9x slower); "k1s3" the single
 pass at 3 stages (its shape until session 27); one column per
 SHORT_CONFIGS entry in index order (no row order), and "+ord" columns with the slot pass's
 row order. The table prints last; the JSON is rewritten after each point.
@@ -33,12 +33,12 @@ from qsa_bench_util import (
     fmt,
     make_sets,
     n_sets_for,
-    probe_runner,
     reference_of,
     table,
     time_graphs,
 )
 from qsa_dispatch_sweep import SEED_TOL, default_seed_path, load_seed
+from qsa_gather_floor import fold_gather, gather_runs
 
 from flashinfer_jit.qsa import kernels as qk
 from flashinfer_jit.qsa import short as qs
@@ -97,25 +97,25 @@ def measure(point: Point, gib: float, cols: dict, index: int) -> dict:
     floor = statistics.mean(floor_us(a) for a in sets)
     kv_floor = statistics.mean(kv_floor_us(a) for a in sets)
     graphs, errors = {}, {}
-    for label, (run, tol) in {**cols, "probe": (None, None)}.items():
+    runs = {**cols, **{label: (run, None) for label, run in gather_runs(sets).items()}}
+    for label, (run, tol) in runs.items():
         try:
-            if run is None:  # the probe writes no output: nothing to check
-                graphs[label] = capture(probe_runner(sets), sets)
-                continue
-            check(run, sets[0], expect, tol)
+            if tol is not None:  # (the gather writes no output: nothing to check)
+                check(run, sets[0], expect, tol)
             graphs[label] = capture(run, sets)
         except Exception as exc:  # one bad column must not end the run
             errors[label] = f"ERR {type(exc).__name__}: {exc}"[:80]
             print(f"  {p.name} {label}: {errors[label]}", flush=True)
     times = time_graphs(graphs, len(sets), reps_for(floor, len(sets)))
-    short = {k: v for k, v in times.items() if k not in ("k1", "k1s3", "triton", "probe")}
+    fold_gather(times)
+    short = {k: v for k, v in times.items() if k in qs.SHORT_CONFIGS or k.endswith("+ord")}
     best = min(short, key=short.get) if short else None
     return {"name": p.name, "floor_us": floor, "kv_floor_us": kv_floor, "best_short": best,
             "times_us": {**times, **errors}, "sets": len(sets)}  # fmt: skip
 
 
 def kv_floor_us(args) -> float:
-    """The selected K/V bytes alone (what the probe gathers) over BANDWIDTH."""
+    """The selected K/V bytes alone (what the gather reads of them) over BANDWIDTH."""
     k_cache, indices = args[1], args[3]
     tokens = indices[:, -1].clamp(0, indices.shape[1] - 1).sum().item()
     return tokens * k_cache.shape[2] * 2 * k_cache.shape[3] / BANDWIDTH
@@ -158,8 +158,8 @@ def short_main(opts: argparse.Namespace, banner: Callable[[], dict]) -> None:
             with open(opts.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
         torch.cuda.empty_cache()
-    labels = ["k1", "triton", "probe", *[c for c in cols if c not in ("k1", "triton")]]
+    labels = ["k1", "triton", "gather", *[c for c in cols if c not in ("k1", "triton")]]
     print("\n== short single pass (qsa/short.py): graph µs per call; kv floor = the K/V bytes "
-          "alone (the probe's); gain = k1 / best short; % floor of the best short")  # fmt: skip
+          "alone; gain = k1 / best short; % floor of the best short")  # fmt: skip
     head = ["point", "floor", "kv floor", *labels, "best short", "gain", "% floor"]
     print(table(head, [row_cells(r, labels) for r in rows]))
