@@ -104,7 +104,7 @@ DECODE_CONFIG = {64: (4, 8, 1), 128: (4, 3, 4), 256: (4, 2, 1)}
 # clusters alike; cp.async clusters at D=128 too (round 4), other head dims the single pass's.
 # The single pass had 3 stages until session 27 (H200, graph µs: topk 256-512 at 512-1536
 # pairs 3-8 % faster with 2, 512/16/1/256 21.9 -> 20.7; topk 1024-4096 at 512-8192 pairs
-# -0.6 to +1.8 %, 256/32/8/4096 399.4 -> 401.8; docs/perf-log/qsa.md round 17).
+# 0.6 % slower to 1.8 % faster, 256/32/8/4096 399.4 -> 401.8; docs/perf-log/qsa.md round 17).
 BULK_SINGLE_PASS = (4, 2, 4)
 BULK_CLUSTER = (4, 2, 4)
 CLUSTER_CONFIG = {128: (4, 2, 4)}

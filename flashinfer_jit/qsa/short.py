@@ -87,9 +87,9 @@ SHORT_MIN_PAIRS_PER_SM = ((256, 11.5), (512, 15.5), (4096, 31.0))
 SHORT_MAX_TOPK = SHORT_MIN_PAIRS_PER_SM[-1][0]
 # With bulk copies at topk <= 512, w2s2 from these (QSA round 17, 34 points of G 4-16, topk
 # 256 / 512 x 512-4096 pairs, beside the single pass at 2 stages, "k1s2"): topk 256 w2s2 /
-# k1s2 0.96 at 768 pairs (5.8 an SM), 0.92 at 1024, 1.02 at 1536, 0.89 at 2048-3072; topk 512
-# 1.04 at 1024-1536, 0.92 at 2048 (15.5), 0.93 at 3072; w1s2 / w2s2 1.02-1.03 at 2048-3072,
-# 0.97-0.98 at 4096 (31, SHORT_ONE_WARP_PER_SM).
+# k1s2 0.96 at 768 pairs (5.8 an SM), 0.92 at 1024, 1.02 at 1536, 0.89-0.90 at 2048-3072;
+# topk 512 1.04-1.06 at 1024-1536, 0.92 at 2048 (15.5), 0.93 at 3072; w1s2 / w2s2 (both in
+# row order) 1.01-1.13 at 2048-3072, 0.98 at 4096 (31, SHORT_ONE_WARP_PER_SM).
 SHORT_WIDE_MIN_PAIRS_PER_SM = ((256, 5.8), (512, 15.5))
 SHORT_WIDE_MAX_TOPK = SHORT_WIDE_MIN_PAIRS_PER_SM[-1][0]
 SHORT_ONE_WARP_PER_SM = 31.0
