@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_util import PROTOCOLS, eager, per_call_in_graphs, warm_gpu  # noqa: E402
 from mqa_logits_probe import probe_options, variant  # noqa: E402
-from mqa_peer_rows import EXTRA_ROWS, ROWS, SWEEPS, VARIANT_CONFIGS, VARIANT_ROWS, VARIANTS, Row  # noqa: E402
+from mqa_peer_rows import AB, EXTRA_ROWS, ROWS, SWEEPS, VARIANT_CONFIGS, VARIANT_ROWS, VARIANTS, Row  # noqa: E402
 
 import flashinfer_jit.mqa_logits as mq  # noqa: E402
 from flashinfer_jit.mqa_logits import MqaLogitsOptions  # noqa: E402
@@ -238,6 +238,8 @@ def row_sides(row: Row, dg, first: dict, args: argparse.Namespace) -> dict:
             return ours(s, config._replace(lean=1 - config.lean, pair=0))
 
         sides["plain" if dispatcher_config(row, first).lean else "lean"] = flipped
+    for name, options in AB if args.ab else []:
+        sides[name] = lambda s, o=options: ours(s, options=o)
     for name, options in SWEEPS.get(row.name, []) if args.sweep else []:
         sides[name] = lambda s, o=options: ours(s, options=o)
     for name, make in candidate_sides(row, args.variants, args.probes).items():
@@ -301,6 +303,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sweep", action="store_true", help="also time SWEEPS' forced configs")
     parser.add_argument("--probes", action="store_true", help="also time the timing probes")
     parser.add_argument("--variants", action="store_true", help="also time VARIANTS")
+    parser.add_argument("--ab", action="store_true", help="also time AB's options, every row")
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument(
         "--protocol",

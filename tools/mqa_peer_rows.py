@@ -152,6 +152,10 @@ SWEEPS: dict[str, list] = {
 # registers, ~10 instructions a tile fewer at d32): level to 2 % slower (d32 31.7 / 31.0);
 # spilled 8-72 bytes in the 112-register configs.
 VARIANTS: dict[str, tuple[tuple[str, ...], ...]] = {}
+# --ab: options timed beside the dispatcher's on every row named (a runtime switch of the
+# shipped kernels, no other build): session 28, the block table prefetched into L2 beside
+# the lengths' read (tma.TABLE_PREFETCH) against without.
+AB: list[tuple[str, MqaLogitsOptions]] = [("no-tpf", MqaLogitsOptions(table_prefetch=False))]
 VARIANT_ROWS = tuple(row.name for row in ROWS if row.head_dim_fits_tma())
 # Rows whose variants are also timed in a forced config (column "<variant>-<config>"); round
 # 16 timed the weights' variants at d64n2 / d32n2 in their one-Q-buffer configs this way.

@@ -30,7 +30,9 @@ class KernelPlan:
     every launch's arguments; ``kv_args``, when not None, maps (kv_fused address, kv_fused)
     to the per-pool arguments appended after them (the TMA kernel's tensor map);
     ``programmatic``: a programmatic dependent launch (the kernel waits for the preceding
-    grid itself)."""
+    grid itself); ``table_prefetch``: None where the kernel takes no table-prefetch
+    argument (the TMA kernel's ``table_cols``), else whether the call's block-table
+    columns go there (0 otherwise)."""
 
     kernel: LoadedKernel
     grid: tuple[int, int, int]
@@ -39,6 +41,7 @@ class KernelPlan:
     extra: tuple = ()
     kv_args: Callable[[int, torch.Tensor], tuple] | None = None
     programmatic: bool = False
+    table_prefetch: bool | None = None
 
 
 class Launch:
@@ -86,6 +89,8 @@ class Launch:
         # change per call; the strides and the batch are this launch's metadata.
         members = (PER_CALL,) * 4 + (self.table_stride, PER_CALL, self.lens_stride, PER_CALL)
         members += (PER_CALL, self.out_stride, self.batch, *self.extra)
+        if plan.table_prefetch is not None:
+            members += (block_tables.shape[1] if plan.table_prefetch else 0,)
         members += (PER_CALL,) * (plan.kv_args is not None)
         self.go = plan.kernel.bind(plan.grid, plan.block, plan.smem, plan.programmatic, members)
 

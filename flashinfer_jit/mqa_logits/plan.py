@@ -32,6 +32,7 @@ from .launch import KernelPlan, Launch
 from .ring import RingConfig, kernel_dtypes, logits_flags, ring_family, ring_params
 from .schedule import SCHEDULE_THREADS, schedule_family
 from .tma import (
+    TABLE_PREFETCH,
     TMA_DIMS,
     TmaConfig,
     kv_evict_first,
@@ -65,7 +66,8 @@ class MqaLogitsOptions(Options):
     ``tma_family``: another build of the TMA kernel with its parameters (an instrumented one
     or a timing probe, tools/). ``l2_promotion``: the KV tensor map's L2 fill size in bytes
     (tma.kv_tensor_map). ``kv_evict_first``: the KV stream's L2 policy (None: as the
-    dispatcher decides, tma.kv_evict_first)."""
+    dispatcher decides, tma.kv_evict_first). ``table_prefetch``: the TMA kernel prefetches
+    the block table into L2 beside its read of the lengths (None: tma.TABLE_PREFETCH)."""
 
     config: RingConfig | TmaConfig | None = None
     force_generic: bool = False
@@ -73,6 +75,7 @@ class MqaLogitsOptions(Options):
     tma_family: TmaFamily | None = None
     l2_promotion: int = 128
     kv_evict_first: bool | None = None
+    table_prefetch: bool | None = None
 
 
 def _launchable(plan: KernelPlan, what: str) -> KernelPlan:
@@ -112,7 +115,8 @@ def _tma_plan(
 
     grid = (sm_count(device), 1, 1)
     flags = (logits_flags(dtypes, evict),)
-    return KernelPlan(kernel, grid, (threads, 1, 1), smem, flags, kv_map, options.pdl)
+    table = TABLE_PREFETCH if options.table_prefetch is None else options.table_prefetch
+    return KernelPlan(kernel, grid, (threads, 1, 1), smem, flags, kv_map, options.pdl, table)
 
 
 def tma_serves(dim: int, cap: tuple[int, int]) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from jit_kernels import TENSOR_MAP, KernelUnavailable, LaunchError
+from jit_kernels import I32, TENSOR_MAP, KernelUnavailable, LaunchError
 from jit_kernels import driver as cu
 
 from .._jit import kernel_family
@@ -51,7 +51,7 @@ tma_family = kernel_family(
         "pair",
         "regs",
     ),
-    (*LOGITS_ARGS, TENSOR_MAP),  # + the KV pool's tensor map
+    (*LOGITS_ARGS, I32, TENSOR_MAP),  # + the block-table columns to prefetch, the pool's tensor map
     archs=("sm_90a",),
 )
 
@@ -166,6 +166,10 @@ def kv_evict_first(small: int, geometry: tuple) -> bool:
     next_n, dim = geometry[0], geometry[2]
     return small > 0 or next_n == 1 or (2 <= next_n <= 3 and dim >= EVICT_MIN_DIM)
 
+
+# The block table into L2 beside the lengths' read (prefetch_table in util.cuh): what a
+# call after other kernels waits for twice in HBM before its first KV copy. Under test.
+TABLE_PREFETCH = True
 
 # Ring depth (64-token stages): 8-10 (68-85 KB of reads in flight per SM, what HBM's
 # latency under load needs) stream the pool fastest; small calls 6 (see tma_config).

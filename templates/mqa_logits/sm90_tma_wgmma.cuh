@@ -39,6 +39,7 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
                      const int* __restrict__ schedule,          // [gridDim.x + 1, 2] or nullptr
                      OutT* __restrict__ out, long long out_stride, int batch,
                      int flags,  // bit 0: the KV stream's L2 policy (KvPolicy); bit 1: 16-bit logits as bf16
+                     int table_cols,  // block-table columns to prefetch into L2 (prefetch_table; 0: none)
                      const __grid_constant__ TensorMap kv_map) {  // the pool's fp8 values, see above
   constexpr int N = NEXT_N * HEADS;
   constexpr bool F16ACC = same_type<AccT, fij::half_t>::value;
@@ -72,6 +73,10 @@ paged_mqa_logits_tma(const unsigned char* __restrict__ q,       // [B, NEXT_N, H
   ring_init(full0, empty0, STAGES);
   fij::grid_dependency_wait();  // everything above touches parameters and shared memory only
   fij::grid_dependents_launch();
+  // (Not at N = 192: with it the 128 registers before setmaxnreg spilled 12 bytes, next_n=3.)
+  if (N <= 128 && table_cols > 0 && threadIdx.x >= WGS * 128 && threadIdx.x < WGS * 128 + 32)  // producer warp 0
+    prefetch_table(block_tables, bt_stride, batch, (int)min((long long)table_cols, out_stride / BLOCK + 1),
+                   threadIdx.x & 31);
   // (The setmaxnreg kernels keep the block-wide derivation: at next_n=3 the warp's code
   // before the loop spilled 8 bytes of it.)
   cta_tiles<WGS * 128 + 32 * PRODUCERS, REGS == 0>(schedule, seq_lens, sl_stride, batch, red, sched);

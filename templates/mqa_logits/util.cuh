@@ -167,6 +167,30 @@ __device__ __forceinline__ int split_point(int c, int ctas, int total) {
   return (int)((unsigned)c * q + (unsigned)c * r / (unsigned)ctas);
 }
 
+// The block table's first `cols` entries of every request into L2 (the TMA kernel's
+// producer warp 0, cols > 0), beside warp 0's read of seq_lens: a CTA's first copies wait
+// for their tiles' table entries, read right after that read, and a call after other
+// kernels (a serving step's layers) finds the table in HBM, a second round trip before the
+// first KV copy. Each 128-byte line holding an entry is one item; the grid's CTAs and the
+// lanes take them in turn, at most kTablePrefetchPerLane a lane (4.3 MB of table at 132
+// CTAs). Only lines holding an entry are touched: no address past the table.
+constexpr int kTablePrefetchPerLane = 8;
+
+__device__ __forceinline__ void prefetch_table(const int* block_tables, long long bt_stride, int batch, int cols,
+                                               int lane) {
+  const unsigned lines = ((unsigned)cols * 4u + 123u) / 128u + 1u;  // a row's lines, at any 4-byte start
+  const unsigned long long items = (unsigned long long)batch * lines;
+#pragma unroll 1
+  for (int i = 0; i < kTablePrefetchPerLane; ++i) {
+    const unsigned j = blockIdx.x + gridDim.x * (unsigned)(lane + 32 * i);
+    if (j >= items) break;
+    const unsigned row = j / lines, k = j - row * lines;
+    const unsigned long long start = reinterpret_cast<unsigned long long>(block_tables + row * bt_stride);
+    const unsigned long long line = k == 0 ? start : (start & ~127ull) + 128ull * k;
+    if (line < start + 4ull * (unsigned)cols) asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
+  }
+}
+
 // This CTA's run of tiles into sched[0..2] = (request, tile, count): from the caller's
 // schedule or derived here from seq_lens (the same split as paged_mqa_schedule). The
 // caller synchronizes the block before reading sched. Without a schedule, up to
