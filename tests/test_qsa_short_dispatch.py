@@ -28,7 +28,7 @@ from .test_qsa_short import assert_compiles_without_spills
 from .test_replay import FakeKernel, qsa_args, qsa_stub, stub  # noqa: F401 (fixtures)
 
 H200 = ((9, 0), 132)  # capability, SMs
-W1S2, W2S2 = qs.SHORT_CONFIGS["w1s2"], qs.SHORT_CONFIGS["w2s2"]
+W1S2, W2S2, W1S4 = (qs.SHORT_CONFIGS[n] for n in ("w1s2", "w2s2", "w1s4"))
 
 
 # -- CPU: the rule -------------------------------------------------------------------------------
@@ -41,10 +41,21 @@ def test_the_dispatched_configs_and_thresholds():
         1518, 1518, 2046, 2046, 4092, 4092, 4092]  # fmt: skip
     assert [qs.short_min_pairs(132, k, True) for k in topks] == [
         766, 766, 2046, 2046, 4092, 4092, 4092]  # fmt: skip
-    # two warps a row with bulk copies at topk <= 512 below 31 pairs an SM, else one
+    # two warps a row with bulk copies at topk <= 512 up to 11.5 / 16 pairs an SM; past it
+    # one warp: w1s4 (12 rows an SM) unless w1s2 (16) takes fewer waves
+    assert qs.SHORT_DEEP == W1S4 == (1, 4, 12)
     assert qs.short_config(True, 256, 766, 132) == W2S2
-    assert qs.short_config(True, 512, 4091, 132) == W2S2
-    assert qs.short_config(True, 512, 4092, 132) == W1S2
+    assert qs.short_config(True, 256, 1518, 132) == W2S2
+    assert qs.short_config(True, 256, 1519, 132) == W1S4  # one wave either way
+    assert qs.short_config(True, 256, 1584, 132) == W1S4
+    assert qs.short_config(True, 256, 1585, 132) == W1S2  # one wave of 16, two of 12
+    assert qs.short_config(True, 256, 2112, 132) == W1S2
+    assert qs.short_config(True, 256, 2113, 132) == W1S4  # two waves either way
+    assert qs.short_config(True, 256, 3168, 132) == W1S4
+    assert qs.short_config(True, 256, 3169, 132) == W1S2  # two waves of 16, three of 12
+    assert qs.short_config(True, 512, 2112, 132) == W2S2
+    assert qs.short_config(True, 512, 2113, 132) == W1S4
+    assert qs.short_config(True, 512, 4096, 132) == W1S2
     assert qs.short_config(True, 513, 1000, 132) == W1S2
     assert qs.short_config(False, 256, 1518, 132) == W1S2
     call = qs.ShortCall((9, 0), 128, 16, 256, 1000, 132, True)
@@ -127,6 +138,7 @@ PLANNED = [
     (256, 16, 8, 128, 64, 300, True, (2, 128, *W2S2, True, True, True)),  # G 2: TMMA, bulk
     (255, 16, 8, 128, 64, 300, True, None),
     (512, 16, 8, 128, 64, 300, True, (2, 128, *W1S2, True, True, True)),  # 31 pairs an SM
+    (1519, 16, 1, 128, 64, 256, True, (16, 128, *W1S4, True, False, True)),  # one warp, 4 stages
     (380, 64, 4, 64, 16, 77, False, (16, 64, *W1S2, False, False, True)),  # cp.async
     (379, 64, 4, 64, 16, 77, False, None),
     (4092, 16, 1, 128, 16, 2048, False, (16, 128, *W1S2, False, False, True)),
@@ -209,11 +221,11 @@ def test_prebuild_adds_the_short_kernels_on_sm_90a_only():
     workloads = qsa.OP.load_workloads()
     specs = qsa.OP.prebuild_specs(workloads, qsa.OP.default.options)
     short = [s for s in specs if s.family == "qsa_decode_short"]
-    # D 128: groups 1, 2, 4, 8, 16 x (w1s2 with bulk copies or not, w2s2 with them); D 64:
-    # groups 8, 16 (cp.async, w1s2)
-    assert len(short) == 17
+    # D 128: groups 1, 2, 4, 8, 16 x (w1s2 with bulk copies or not, w2s2 and w1s4 with them);
+    # D 64: groups 8, 16 (cp.async, w1s2)
+    assert len(short) == 22
     configs = {(s.param_dict["num_warps"], s.param_dict["num_stages"]) for s in short}
-    assert configs == {(1, 2), (2, 2)}
+    assert configs == {(1, 2), (2, 2), (1, 4)}
     assert all(s.param_dict["order"] for s in short)
     archs = ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
     for spec in short:
@@ -289,6 +301,27 @@ def test_gpu_dispatched_short_path(planned, side, shape):
     assert planned[-1] == (expected if side == 0 else Variant())
     assert_close(got, ref_of(case))
     assert (got[1] == 0).all() and (got[3] == 0).all()  # count 0, no request
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_sm, config", [(11.5, W1S4), (12, W1S2), (16, W1S4)])
+@pytest.mark.parametrize("shape", [(16, 1, 128, 64, 256, True), (64, 16, 128, 16, 200, True)])
+def test_gpu_dispatched_one_warp_configs(planned, per_sm, config, shape):
+    """Past two warps a row: the first pairs of each one-warp zone (w1s4 in one wave, w1s2
+    in one wave, w1s4 in two), G 16 and G 4 (TMMA), through the dispatcher."""
+    from jit_kernels import capability, sm_count
+
+    if capability(0) != (9, 0):
+        pytest.skip("the dispatcher takes the short single pass on sm_90 only")
+    hq, hkv, d, _, topk, _ = shape
+    sms = sm_count(0)
+    rows = -(-(int(per_sm * sms) + 1) // hkv)
+    assert qs.short_config(True, topk, rows * hkv, sms) == config
+    case = _gpu_case(rows, shape, seed=rows)
+    got = qsa.qsa_sparse_paged_attention(*args_of(case))
+    torch.cuda.synchronize()
+    assert planned[-1] == Variant(config=config, short=True, order=True)
+    assert_close(got, ref_of(case))
 
 
 @pytest.mark.gpu

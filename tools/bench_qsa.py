@@ -347,8 +347,8 @@ def banner() -> dict:
           f"the short single pass {qs.SHORT_DISPATCH} (rows in order) from "
           f"(topk up to, pairs per SM) {qs.SHORT_MIN_PAIRS_PER_SM} at head_dim "
           f"{qs.SHORT_HEAD_DIMS}; with bulk copies {qs.SHORT_WIDE} from "
-          f"{qs.SHORT_WIDE_MIN_PAIRS_PER_SM}, {qs.SHORT_DISPATCH} from "
-          f"{qs.SHORT_ONE_WARP_PER_SM} (short.takes_short)", flush=True)  # fmt: skip
+          f"{qs.SHORT_WIDE_MIN_PAIRS_PER_SM}, {qs.SHORT_DISPATCH} or {qs.SHORT_DEEP} (fewer "
+          f"waves) past {qs.SHORT_ONE_WARP_PER_SM} (short.short_config)", flush=True)  # fmt: skip
     return info
 
 

@@ -1,7 +1,8 @@
 """The short single pass: short selections over many rows (issue 22). On sm_90 the dispatcher
 takes it (``takes_short``, ``short_config``: with the slot pass's row order) in place of the
 single pass from SHORT_MIN_PAIRS_PER_SM (row, kv head) pairs per SM on (by topk; with bulk
-copies at topk <= 512 from SHORT_WIDE_MIN_PAIRS_PER_SM, two warps a row below 31 an SM);
+copies at topk <= 512 from SHORT_WIDE_MIN_PAIRS_PER_SM, two warps a row up to
+SHORT_ONE_WARP_PER_SM, then one warp of 2 or 4 stages);
 ``QsaOptions.short`` forces it off or on. ``run_kernels(args, short=True, config=...,
 order=...)`` launches any config, ``tools/bench_qsa.py --short`` times them beside the
 shipped single pass and the seed's Triton kernel, and the dispatch sweep's "short" column
@@ -70,11 +71,13 @@ SHORT_DEFAULT = SHORT_CONFIGS["w1s4"]
 
 # What the dispatcher takes, rows in the slot pass's order: w1s2 (16 one-warp rows an SM),
 # and with bulk copies (D = 128, the combined cache) at topk <= SHORT_WIDE_MAX_TOPK w2s2 (8
-# two-warp rows) below SHORT_ONE_WARP_PER_SM pairs an SM. Head dims 64 and 128 (w1s2's launch
-# bound of 16 CTAs leaves 128 registers, too few for D = 256's accumulators); sm_90 only
-# (what the H200 measured; sm_100/103/107 keep the single pass).
+# two-warp rows) up to SHORT_ONE_WARP_PER_SM pairs an SM, past it w1s2 or w1s4 (12 rows of
+# 4 chunks), whichever takes fewer waves of rows, w1s4 at a tie. Head dims 64 and 128 (w1s2's
+# launch bound of 16 CTAs leaves 128 registers, too few for D = 256's accumulators); sm_90
+# only (what the H200 measured; sm_100/103/107 keep the single pass).
 SHORT_DISPATCH = SHORT_CONFIGS["w1s2"]
 SHORT_WIDE = SHORT_CONFIGS["w2s2"]
+SHORT_DEEP = SHORT_CONFIGS["w1s4"]
 SHORT_HEAD_DIMS = (64, 128)
 SHORT_CAPS = ((9, 0),)
 # (topk up to, rows x Hkv per SM from which the short pass is the faster), w1s2: the H200's
@@ -88,11 +91,16 @@ SHORT_MAX_TOPK = SHORT_MIN_PAIRS_PER_SM[-1][0]
 # With bulk copies at topk <= 512, w2s2 from these (QSA round 17, 34 points of G 4-16, topk
 # 256 / 512 x 512-4096 pairs, beside the single pass at 2 stages, "k1s2"): topk 256 w2s2 /
 # k1s2 0.96 at 768 pairs (5.8 an SM), 0.92 at 1024, 1.02 at 1536, 0.89-0.90 at 2048-3072;
-# topk 512 1.04-1.06 at 1024-1536, 0.92 at 2048 (15.5), 0.93 at 3072; w1s2 / w2s2 (both in
-# row order) 1.01-1.13 at 2048-3072, 0.98 at 4096 (31, SHORT_ONE_WARP_PER_SM).
+# topk 512 1.04-1.06 at 1024-1536, 0.92 at 2048 (15.5), 0.93 at 3072.
 SHORT_WIDE_MIN_PAIRS_PER_SM = ((256, 5.8), (512, 15.5))
 SHORT_WIDE_MAX_TOPK = SHORT_WIDE_MIN_PAIRS_PER_SM[-1][0]
-SHORT_ONE_WARP_PER_SM = 31.0
+# One warp a row past these pairs an SM (QSA round 18: the same grid once the one-warp
+# kernels wrote their output straight from registers, store_direct; best of w1s2 / w1s4 in
+# row order against w2s2, G 16 at Hkv 1 / 4): topk 256 0.90 / 0.90 at 1536 pairs (11.6 an
+# SM: w1s4, one wave), 0.95 / 0.96 at 2048 (w1s2, one wave), 0.98 / 0.97 at 3072 (w1s4, two
+# waves), 0.93 / 0.91 at 4096 (w1s2); topk 512: w2s2 4-5 % ahead of w1s2 at 2048 (15.5 an
+# SM, its two waves against one), 0.98 / 0.98 at 3072 (w1s4), 0.93 / 0.92 at 4096 (w1s2).
+SHORT_ONE_WARP_PER_SM = ((256, 11.5), (512, 16.0))
 # Past topk SHORT_WIDE_MAX_TOPK the short pass serves groups above TMMA_MAX_GROUP only: at
 # groups <= 8 (the TMMA form) and topk 2048 it was 2.4-5.8 % behind the single pass at
 # 4096-32768 pairs (QSA round 17: 512/32/8/2048 423.3 against 399.4 µs, 4096/8/1/2048
@@ -112,10 +120,18 @@ def short_min_pairs(sms: int, topk: int, bulk: bool) -> int:
 
 
 def short_config(bulk: bool, topk: int, pairs: int, sms: int) -> Config:
-    """The short single pass's (warps, stages, min CTAs) for a call it serves: w2s2 with
-    bulk copies at short selections below SHORT_ONE_WARP_PER_SM pairs an SM, else w1s2."""
-    wide = _bulk_wide(bulk, topk) and pairs < math.ceil(SHORT_ONE_WARP_PER_SM * sms)
-    return SHORT_WIDE if wide else SHORT_DISPATCH
+    """The short single pass's (warps, stages, min CTAs) for a call it serves: with bulk
+    copies at short selections w2s2 up to SHORT_ONE_WARP_PER_SM pairs an SM, past it w1s2
+    or w1s4 by their waves of rows (fewer, then more stages); else w1s2."""
+    if not _bulk_wide(bulk, topk):
+        return SHORT_DISPATCH
+    if pairs <= next(p for upto, p in SHORT_ONE_WARP_PER_SM if topk <= upto) * sms:
+        return SHORT_WIDE
+
+    def waves(config: Config) -> int:
+        return -(-pairs // (short_ctas(128, config, True) * sms))
+
+    return min((SHORT_DEEP, SHORT_DISPATCH), key=lambda c: (waves(c), -c[1]))
 
 
 class ShortCall(NamedTuple):

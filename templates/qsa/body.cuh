@@ -429,6 +429,11 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   }
   // (bulk: every copy was waited for; the single pass's prologue copies nothing past the count)
   if constexpr (!BULK) cp_async_wait<0>();
+  if constexpr (SINGLE && NUM_WARPS == 1) {  // one warp: no partials to merge
+    store_direct<GROUP, HEAD_DIM, TMMA>(acc, l0, l1, out + row * out_row + head0 * out_head, out_head,
+                                        gate + row * gate_row + head0 * gate_head, gate_head, output_scale);
+    return;
+  }
   __syncthreads();  // every warp is done with its stages: reuse them
   merge_and_store<GROUP, HEAD_DIM, NUM_WARPS, CLUSTER, GATE_REG, TMMA>(
       reinterpret_cast<float*>(smem + Q_AREA), inbox, acc, m0, m1, l0, l1, out + row * out_row + head0 * out_head,

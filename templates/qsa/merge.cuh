@@ -40,6 +40,41 @@ __device__ __forceinline__ float2 combine_partials(ML ml, Piece piece, float (&a
   return make_float2(mmax, denom);
 }
 
+// The single pass at one warp a CTA (the short pass's one-warp configs): nothing to merge,
+// so each thread writes the gated output of the dims it accumulated straight from its
+// registers, with what merge_and_store computes for one partial (its weight 2^0 = 1: the
+// same values) but without the shared-memory round trip, the barrier and the per-piece
+// exponential and division. l0, l1: the sums of the two heads the thread holds, already
+// summed over the lanes that share them. See merge_and_store for acc's layout.
+template <int GROUP, int HEAD_DIM, bool TMMA>
+__device__ __forceinline__ void store_direct(const float (&acc)[HEAD_DIM / (TMMA ? 16 : 8)][4], float l0, float l1,
+                                             fij::bf16_t* out, long long out_head, const fij::bf16_t* gate,
+                                             long long gate_head, float output_scale) {
+  constexpr int NT = HEAD_DIM / 8, SPAN = HEAD_DIM >= 128 ? 16 : 8;
+  auto vdim = [](int c, int i) { return (i / SPAN) * 128 + SPAN * c + i % SPAN; };
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int h = TMMA ? 2 * t + r : g + 8 * r;  // rows g, g + 8 (TMMA: heads 2t, 2t + 1)
+    if (h >= GROUP) continue;
+    const float denom = r ? l1 : l0;
+    // Pieces of 8 dims (i / 8 = ib: dims vdim(c, 8 ib) + [0, 8)); TMMA: one c (= g), acc[m]
+    // holding dims 2m, 2m + 1 in components (r, r + 2); else c = 2t, 2t + 1 in components
+    // (c - 2t) + 2r.
+#pragma unroll
+    for (int c = 0; c < (TMMA ? 1 : 2); ++c) {
+#pragma unroll
+      for (int ib = 0; ib < NT / 8; ++ib) {
+        float a[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) a[j] = TMMA ? acc[4 * ib + j / 2][r + 2 * (j & 1)] : acc[8 * ib + j][c + 2 * r];
+        const int d = vdim(TMMA ? g : 2 * t + c, 8 * ib);
+        store_gated(out + h * out_head + d, gate + h * gate_head + d, a, denom, output_scale);
+      }
+    }
+  }
+}
+
 // The owner's merge, after the pushes landed: rank r combines its items from its inbox
 // and writes the gated output; out/gate point at the kv head's first query head. GATE_PRE:
 // gpre already holds the gate of this thread's only item (loaded at kernel start).

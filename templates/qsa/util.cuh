@@ -137,9 +137,12 @@ __device__ __forceinline__ uint4 gate_scaled(const uint4& gv, const float (&a)[8
   for (int i = 0; i < 4; ++i) {
     const unsigned gw = word_of(gv, i);
     const float g0 = fij::bf16_lo(gw), g1 = fij::bf16_hi(gw);
-    // sigmoid(x) = 1 / (1 + 2^(-x log2 e)); exp overflow to inf gives 0, as it should.
-    const float s0 = 1.f / (1.f + ex2(-1.4426950408889634f * g0));
-    const float s1 = 1.f / (1.f + ex2(-1.4426950408889634f * g1));
+    // sigmoid(x) = 1 / (1 + 2^(-x log2 e)); exp overflow to inf gives 0, as it should. The
+    // reciprocal is the approximate one (MUFU.RCP, ~1 ulp of float32, far under the bf16
+    // output's rounding): an IEEE division per gate value was ~10 instructions and a
+    // slow-path call, the largest part of a one-warp row's epilogue.
+    const float s0 = __fdividef(1.f, 1.f + ex2(-1.4426950408889634f * g0));
+    const float s1 = __fdividef(1.f, 1.f + ex2(-1.4426950408889634f * g1));
     packed[i] = pack_bf16x2(a[2 * i] * inv * s0, a[2 * i + 1] * inv * s1);
   }
   return make_uint4(packed[0], packed[1], packed[2], packed[3]);
@@ -149,9 +152,10 @@ __device__ __forceinline__ uint4 gate_scaled(const uint4& gv, const float (&a)[8
 // attended token), whatever the gate holds.
 __device__ __forceinline__ void store_gated(fij::bf16_t* out, const fij::bf16_t* gate, const float (&a)[8],
                                             float denom, float output_scale) {
-  uint4 res = make_uint4(0, 0, 0, 0);
-  if (denom > 0.f) res = gate_scaled(*reinterpret_cast<const uint4*>(gate), a, output_scale / denom);
-  *reinterpret_cast<uint4*>(out) = res;
+  // One 16-byte load (read through a plain dereference under the branch it was four 4-byte
+  // loads), issued whether or not the row attended anything: the gate is a valid argument.
+  const uint4 gv = __ldg(reinterpret_cast<const uint4*>(gate));
+  *reinterpret_cast<uint4*>(out) = denom > 0.f ? gate_scaled(gv, a, output_scale / denom) : make_uint4(0, 0, 0, 0);
 }
 
 // store_gated with the gate values already loaded (a cluster's gate held in registers).
