@@ -167,8 +167,11 @@ def kv_evict_first(small: int, geometry: tuple) -> bool:
     return small > 0 or next_n == 1 or (2 <= next_n <= 3 and dim >= EVICT_MIN_DIM)
 
 
-# The block table into L2 beside the lengths' read (prefetch_table in util.cuh): what a
-# call after other kernels waits for twice in HBM before its first KV copy. Under test.
+# The block table into L2 beside the lengths' read (prefetch_table in util.cuh): a call
+# after other kernels otherwise waits on HBM for the lengths, then the table, then the KV.
+# H200, one process, with / without (MQA round 28): B=1 3.9 / 4.1 us, 0.2-0.6 us less at
+# next_n=1 B=256-1024 and L=64K, level elsewhere within 0.3 but d96n2 (+0.6). (The kernels
+# at next_n*heads 192 skip it: see the template.)
 TABLE_PREFETCH = True
 
 # Ring depth (64-token stages): 8-10 (68-85 KB of reads in flight per SM, what HBM's
