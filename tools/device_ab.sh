@@ -9,8 +9,9 @@
 #   there:  bash tools/device_ab.sh .device/base 2 "python3 tools/bench_qsa.py --short --points ..."
 #
 # COMMAND runs with the tree's root as its working directory and on its PYTHONPATH (a
-# relative path in it names a file of that tree); a --json FILE in it is the caller's to
-# keep apart (give it $SIDE: "base" or "this").
+# relative path in it names a file of that tree: name this tree's with $AB_HERE, e.g.
+# --deepgemm \$AB_HERE/.peer); a --json FILE in it is the caller's to keep apart (give it
+# $SIDE: "base" or "this").
 set -u
 base=$1 rounds=$2 command=$3
 out=${OUT:-/tmp}
@@ -25,7 +26,7 @@ for i in $(seq 1 "$rounds"); do
     root=$here
     [ "$side" = base ] && root=$(cd "$base" && pwd)
     start=$(date +%s)
-    (cd "$root" && SIDE=$side FLASHINFER_JIT_CACHE_DIR=/tmp/fij-ab-$side PYTHONPATH=/tmp/site:$root \
+    (cd "$root" && AB_HERE=$here SIDE=$side FLASHINFER_JIT_CACHE_DIR=/tmp/fij-ab-$side PYTHONPATH=/tmp/site:$root \
       bash -c "$command") > "$out/ab_$side$i.log" 2>&1
     echo "=== $side round $i rc=$? $(( $(date +%s) - start ))s"
     tail -n 25 "$out/ab_$side$i.log"
