@@ -15,7 +15,7 @@ from flashinfer_jit.mqa_logits import (
 )
 from flashinfer_jit.mqa_logits import plan as mq_plan
 from flashinfer_jit.mqa_logits.checks import launch_config
-from flashinfer_jit.mqa_logits.launch import KernelPlan
+from flashinfer_jit.mqa_logits.launch import KernelPlan, Launch
 from flashinfer_jit.mqa_logits.ring import ring_family, ring_params
 from flashinfer_jit.mqa_logits.schedule import schedule_family
 from flashinfer_jit.mqa_logits.tma import tma_config
@@ -243,6 +243,33 @@ def test_fast_path_replays_the_full_path(monkeypatch, request):
     fp8_paged_mqa_logits(*a[:3], wide_table, a[4], max_len)
     fp8_paged_mqa_logits(*a[:3], wide_table, a[4], max_len)
     assert calls[0][2][4] == calls[1][2][4] == 2 * a[3].shape[1]
+
+
+@pytest.mark.parametrize("prefetch", [True, False, None])
+def test_launch_passes_the_table_columns(prefetch):
+    """The TMA kernel's table_cols, right after the plan's extra arguments: the call's
+    block-table columns where the plan prefetches the table, 0 where it does not; no such
+    argument for a plan whose kernel takes none (table_prefetch None)."""
+    seen = {}
+
+    class Kernel:
+        name = "fake"
+
+        def bind(self, grid, block, smem, programmatic, template):
+            seen["template"] = template
+            return lambda stream, values: None
+
+    plan = KernelPlan(Kernel(), (7, 1, 1), (288, 1, 1), 1234, (5,), None, False, prefetch)
+    q, _, w, table, lens, max_len = make_inputs([70, 5, 300], next_n=1, heads=32, seed=1)
+    wide = torch.zeros(3, 2 * table.shape[1], dtype=torch.int32)[:, : table.shape[1] + 3]
+    for t in (table, wide):
+        Launch(plan, 0, q, w, t, lens, torch.empty(3, max_len), max_len)
+        members = seen["template"]
+        assert members[11] == 5  # the plan's extra (flags)
+        if prefetch is None:
+            assert len(members) == 12
+        else:
+            assert members[12] == (t.shape[1] if prefetch else 0)
 
 
 def test_direct_kernel_compiles_for_wide_heads(tmp_path):
