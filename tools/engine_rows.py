@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from jit_kernels import PTR, KernelFamily, current_stream
+
 D = 128  # head_dim of the MQA and QSA rows
 
 Call = Callable[[], object]
@@ -127,6 +129,31 @@ def _empty_alloc_op(device: str) -> Call:
     return lambda: small + 1
 
 
+def _launch_floor(kernels: int) -> Callable[[str], Call]:
+    """``kernels`` bound programmatic launches of an empty kernel on the current stream, as
+    the ops launch theirs (tools/kernels/empty_kernel.cuh): the host floor of a cached call
+    that launches that many kernels, before any argument is read off a tensor."""
+
+    def make(device: str) -> Call:
+        from qsa_bench_util import TOOLS_BUILDER
+
+        family = KernelFamily(
+            TOOLS_BUILDER, "empty_kernel", "empty_kernel.cuh", "fij_tools::empty_kernel",
+            ("waits",), (PTR,),
+        )  # fmt: skip
+        index = torch.device(device).index or 0
+        go = family.get((1,), index).bind((1, 1, 1), (32, 1, 1), 0, True)
+        buffer = torch.zeros(1, dtype=torch.int32, device=device).data_ptr()
+
+        def call() -> None:
+            for _ in range(kernels):
+                go(current_stream(index), (buffer,))
+
+        return call
+
+    return make
+
+
 EMPTY_OP = "empty torch op (x.add_(1))"
 # The same op with an output to allocate: what a row that allocates its outputs (out=None)
 # can be read against besides EMPTY_OP.
@@ -143,6 +170,8 @@ ROWS: dict[str, Row] = {
     "qsa decode rows=4 (slots+1 pass)": Row("qsa", "", _qsa(4, "qsa_sparse_paged_decode")),
     "concat 1x16 out=given": Row("pack", "given", _pack(True)),
     "concat 1x16 out=None": Row("pack", "allocated", _pack(False)),
+    "launch floor: 1 empty kernel (bound, programmatic)": Row("engine", "", _launch_floor(1)),
+    "launch floor: 2 empty kernels (bound, programmatic)": Row("engine", "", _launch_floor(2)),
     EMPTY_OP: Row("torch", "", _empty_op),
     EMPTY_ALLOC_OP: Row("torch", "allocated", _empty_alloc_op),
 }
