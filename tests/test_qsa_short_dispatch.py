@@ -58,6 +58,9 @@ def test_the_dispatched_configs_and_thresholds():
     assert qs.short_config(True, 512, 4096, 132) == W1S2
     assert qs.short_config(True, 513, 1000, 132) == W1S2
     assert qs.short_config(False, 256, 1518, 132) == W1S2
+    # what warm-up and prebuild list: every config short_config can pick there
+    assert qs.short_configs(True, 512) == qs.short_configs(True) == (W1S2, W2S2, W1S4)
+    assert qs.short_configs(True, 513) == qs.short_configs(False, 256) == (W1S2,)
     call = qs.ShortCall((9, 0), 128, 16, 256, 1000, 132, True)
     assert short_variant(call) == Variant(config=W2S2, short=True, order=True)
 

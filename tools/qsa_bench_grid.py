@@ -140,8 +140,9 @@ def short_call(point: Point, sms: int) -> qs.ShortCall:
 def dispatch_variant(point: Point, sms: int, clusters: qk.Clusters) -> Variant:
     """plan.dispatch_split without a device (``sms`` and ``clusters`` given, sm_90's short
     rule; the split gate GATE)."""
-    if qs.takes_short(short_call(point, sms)):
-        return short_variant(short_call(point, sms))
+    call = short_call(point, sms)
+    if qs.takes_short(call):
+        return short_variant(call)
     return Variant() if point.pairs >= GATE else split_variant(point, sms, clusters)
 
 

@@ -72,7 +72,7 @@ class Qsa(Op[DecodeLaunch, QsaOptions]):
             variant = dispatch_split(*shape, k_cache.dtype, device, options.short, **call)
         else:
             variant = single_pass_variant(*shape, device, options.short, **call)
-        return decode_launch(args, options, variant)
+        return decode_launch(args, options, variant, call["bulk"])
 
     def reference(self, args: tuple) -> None:
         qsa_decode_torch(*args[:10])

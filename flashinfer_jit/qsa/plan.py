@@ -174,8 +174,11 @@ def launch_choice(
     return Choice(num_splits, fused, (family, params), bulk, config, order, slots)
 
 
-def decode_launch(args: tuple, options: QsaOptions, variant: Variant) -> DecodeLaunch:
-    """What a call launches (nothing is launched here); a repeat call replays it."""
+def decode_launch(
+    args: tuple, options: QsaOptions, variant: Variant, bulk: bool | None = None
+) -> DecodeLaunch:
+    """What a call launches (nothing is launched here); a repeat call replays it. ``bulk``:
+    bulk_ok's answer where the caller has it (None: asked here)."""
     q, k_cache, v_cache, logical_indices, block_table, token_to_req = args[:6]
     rows, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -183,7 +186,8 @@ def decode_launch(args: tuple, options: QsaOptions, variant: Variant) -> DecodeL
     device = cuda_device_index(q)
     choice = launch_choice(
         variant, options, num_q_heads // num_kv_heads, head_dim, topk, page_size,
-        rows * num_kv_heads, sm_count(device), bulk_ok(k_cache, v_cache, device),
+        rows * num_kv_heads, sm_count(device),
+        bulk_ok(k_cache, v_cache, device) if bulk is None else bulk,
     )  # fmt: skip
     prepare(choice.plans(), device)  # compiled at once
     slot_pass = None

@@ -128,10 +128,17 @@ def short_config(bulk: bool, topk: int, pairs: int, sms: int) -> Config:
     if pairs <= next(p for upto, p in SHORT_ONE_WARP_PER_SM if topk <= upto) * sms:
         return SHORT_WIDE
 
-    def waves(config: Config) -> int:
+    def waves(config: Config) -> int:  # (bulk copies: D = 128)
         return -(-pairs // (short_ctas(128, config, True) * sms))
 
     return min((SHORT_DEEP, SHORT_DISPATCH), key=lambda c: (waves(c), -c[1]))
+
+
+def short_configs(bulk: bool, topk: int | None = None) -> tuple[Config, ...]:
+    """Every config short_config can pick with (``bulk``) or without bulk copies at selection
+    width ``topk`` (None: any): what warm-up and prebuild list for the short pass."""
+    wide = bulk and (topk is None or _bulk_wide(bulk, topk))
+    return (SHORT_DISPATCH, SHORT_WIDE, SHORT_DEEP) if wide else (SHORT_DISPATCH,)
 
 
 class ShortCall(NamedTuple):

@@ -34,16 +34,7 @@ from .kernels import (
     takes_bulk,
 )
 from .plan import QsaOptions, bulk_ok, wave_clusters
-from .short import (
-    SHORT_DEEP,
-    SHORT_DISPATCH,
-    SHORT_HEAD_DIMS,
-    SHORT_WIDE,
-    SHORT_WIDE_MAX_TOPK,
-    ShortCall,
-    short_plan,
-    short_reached,
-)
+from .short import SHORT_HEAD_DIMS, ShortCall, short_configs, short_plan, short_reached
 
 
 # TOPK (the issue lists a "TOPK tile count" axis) is not a template parameter: the decode
@@ -150,10 +141,8 @@ def dispatch_plans(
     plans = [slot_plan(page_size, True, entries)]
     plans.append(decode_plan(group, head_dim, 0, False, bulk_ok, single, tmma, lean))
     if short:  # takes bulk copies wherever the single pass does (gather_choice)
-        plans.append(short_plan(group, head_dim, bulk_ok, SHORT_DISPATCH, tmma, True))
-        if bulk_ok and 0 < topk <= SHORT_WIDE_MAX_TOPK:  # short.short_config's others
-            for config in (SHORT_WIDE, SHORT_DEEP):
-                plans.append(short_plan(group, head_dim, True, config, tmma, True))
+        for config in short_configs(bulk_ok, topk):  # what short.short_config may pick
+            plans.append(short_plan(group, head_dim, bulk_ok, config, tmma, True))
     if not topk:
         return plans  # nothing to split: the single pass serves every row count
     for rows in range(1, -(-min_programs // num_kv_heads)):
@@ -189,7 +178,7 @@ def all_specs(
         single = default_config(head_dim, 0, bulk)
         plans.append(decode_plan(group, head_dim, 0, False, bulk, single, tmma, lean))
         if short and head_dim in SHORT_HEAD_DIMS:
-            for config in (SHORT_DISPATCH, SHORT_WIDE, SHORT_DEEP) if bulk else (SHORT_DISPATCH,):
+            for config in short_configs(bulk):
                 plans.append(short_plan(group, head_dim, bulk, config, tmma, True))
         for cluster in CLUSTER_SIZES:
             # takes_bulk gives bulk copies to 2-CTA clusters only (over two waves of CTAs)

@@ -69,7 +69,7 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   constexpr int VG = HEAD_DIM / 128;      // V 16-B pieces per token per thread (D >= 128)
   // V span: a lane gathers bytes [SPAN g, +SPAN) + 128 p of a V row (p < VG), so 8 lanes
   // read whole 128-byte lines; n8 tile i, column c then holds dim (i / SPAN) 128 + SPAN c +
-  // i % SPAN (vdim in merge_and_store).
+  // i % SPAN (vdim in qsa/merge.cuh).
   constexpr int SPAN = HEAD_DIM >= 128 ? 16 : 8;
   constexpr int NT = HEAD_DIM / 8;        // n8 tiles of the output
   constexpr int STAGE_U4 = HEAD_DIM / 16; // uint4s per thread per stage (cp.async stages)

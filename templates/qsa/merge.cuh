@@ -40,6 +40,15 @@ __device__ __forceinline__ float2 combine_partials(ML ml, Piece piece, float (&a
   return make_float2(mmax, denom);
 }
 
+// The output dim of accumulator column i in lane column c (the decode's V span: a lane
+// gathers bytes [SPAN c, +SPAN) + 128 p of a V row, SPAN = min(D / 8, 16)): the layout both
+// epilogues below read acc in.
+template <int HEAD_DIM>
+__device__ __forceinline__ int vdim(int c, int i) {
+  constexpr int SPAN = HEAD_DIM >= 128 ? 16 : 8;
+  return (i / SPAN) * 128 + SPAN * c + i % SPAN;
+}
+
 // The single pass at one warp a CTA (the short pass's one-warp configs): nothing to merge,
 // so each thread writes the gated output of the dims it accumulated straight from its
 // registers, with what merge_and_store computes for one partial (its weight 2^0 = 1: the
@@ -50,8 +59,7 @@ template <int GROUP, int HEAD_DIM, bool TMMA>
 __device__ __forceinline__ void store_direct(const float (&acc)[HEAD_DIM / (TMMA ? 16 : 8)][4], float l0, float l1,
                                              fij::bf16_t* out, long long out_head, const fij::bf16_t* gate,
                                              long long gate_head, float output_scale) {
-  constexpr int NT = HEAD_DIM / 8, SPAN = HEAD_DIM >= 128 ? 16 : 8;
-  auto vdim = [](int c, int i) { return (i / SPAN) * 128 + SPAN * c + i % SPAN; };
+  constexpr int NT = HEAD_DIM / 8;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -68,7 +76,7 @@ __device__ __forceinline__ void store_direct(const float (&acc)[HEAD_DIM / (TMMA
         float a[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) a[j] = TMMA ? acc[4 * ib + j / 2][r + 2 * (j & 1)] : acc[8 * ib + j][c + 2 * r];
-        const int d = vdim(TMMA ? g : 2 * t + c, 8 * ib);
+        const int d = vdim<HEAD_DIM>(TMMA ? g : 2 * t + c, 8 * ib);
         store_gated(out + h * out_head + d, gate + h * gate_head + d, a, denom, output_scale);
       }
     }
@@ -120,8 +128,6 @@ __device__ __forceinline__ void merge_and_store(float* red, float* inbox,
                                                 const fij::bf16_t* gate, long long gate_head, float output_scale,
                                                 const uint4& gate_pre) {
   constexpr int RR = HEAD_DIM + kRedPad, NT = HEAD_DIM / 8, PIECES = HEAD_DIM / 8, THREADS = NUM_WARPS * 32;
-  constexpr int SPAN = HEAD_DIM >= 128 ? 16 : 8;
-  auto vdim = [](int c, int i) { return (i / SPAN) * 128 + SPAN * c + i % SPAN; };
   // Dim d of a row sits at d ^ ((d >> 5) & 3): heads-as-rows stores then spread a warp's 32
   // lanes over 32 banks (unswizzled, lanes t = 0..3 of a row hit one bank: 4-way conflicts).
   // It permutes within aligned groups of 4 floats, so the merge's float4 reads stay whole.
@@ -133,7 +139,7 @@ __device__ __forceinline__ void merge_and_store(float* red, float* inbox,
     if constexpr (TMMA) {
 #pragma unroll
       for (int m = 0; m < NT / 2; ++m) {
-        const int d0 = swz(vdim(g, 2 * m)), d1 = swz(vdim(g, 2 * m + 1));
+        const int d0 = swz(vdim<HEAD_DIM>(g, 2 * m)), d1 = swz(vdim<HEAD_DIM>(g, 2 * m + 1));
         mine[2 * t * RR + d0] = acc[m][0];
         mine[(2 * t + 1) * RR + d0] = acc[m][1];
         mine[2 * t * RR + d1] = acc[m][2];
@@ -142,7 +148,7 @@ __device__ __forceinline__ void merge_and_store(float* red, float* inbox,
     } else {
 #pragma unroll
       for (int i = 0; i < NT; ++i) {
-        const int d0 = swz(vdim(2 * t, i)), d1 = swz(vdim(2 * t + 1, i));
+        const int d0 = swz(vdim<HEAD_DIM>(2 * t, i)), d1 = swz(vdim<HEAD_DIM>(2 * t + 1, i));
         mine[g * RR + d0] = acc[i][0];
         mine[g * RR + d1] = acc[i][1];
         mine[(g + 8) * RR + d0] = acc[i][2];
