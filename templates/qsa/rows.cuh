@@ -69,7 +69,7 @@ __device__ __forceinline__ void rows_chunks(float (&acc)[4 * VW][4], float& m0, 
   mx0 = fmaxf(mx0, __shfl_xor_sync(kFull, mx0, 2));
   mx1 = fmaxf(mx1, __shfl_xor_sync(kFull, mx1, 1));
   mx1 = fmaxf(mx1, __shfl_xor_sync(kFull, mx1, 2));
-  const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+  const float n0 = lazy_max(m0, mx0), n1 = lazy_max(m1, mx1);
   const float b0 = n0 == neg_inf ? 0.f : n0, b1 = n1 == neg_inf ? 0.f : n1;
   const float alpha0 = ex2(m0 - b0), alpha1 = ex2(m1 - b1);
   m0 = n0;
@@ -89,7 +89,7 @@ __device__ __forceinline__ void rows_chunks(float (&acc)[4 * VW][4], float& m0, 
     }
   l0 = sum0;
   l1 = sum1;
-  // Once the running max settles alpha is exactly 1: skip the rescale warp-wide.
+  // Where no head's max moved (lazy_max) alpha is exactly 1: skip the rescale warp-wide.
   if (__any_sync(kFull, alpha0 != 1.f || alpha1 != 1.f)) {
 #pragma unroll
     for (int i = 0; i < 4 * VW; ++i) {

@@ -51,7 +51,7 @@ __device__ __forceinline__ void tmma_chunk(float (&acc)[2 * VW][4], float& m0, f
     mx0 = fmaxf(mx0, __shfl_xor_sync(kFull, mx0, o));
     mx1 = fmaxf(mx1, __shfl_xor_sync(kFull, mx1, o));
   }
-  const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+  const float n0 = lazy_max(m0, mx0), n1 = lazy_max(m1, mx1);
   const float b0 = n0 == neg_inf ? 0.f : n0, b1 = n1 == neg_inf ? 0.f : n1;
   const float alpha0 = ex2(m0 - b0), alpha1 = ex2(m1 - b1);
   m0 = n0;

@@ -130,6 +130,16 @@ __device__ __forceinline__ void st_peer4(unsigned addr, float4 v) {
                : "memory");
 }
 
+// The online softmax's running max after a chunk whose max is mx: it moves only when mx
+// passes it by more than kLazyLog2 (or none was set), so a chunk's probabilities stay under
+// 2^kLazyLog2 (f16 holds them with the same 11 bits as below 1; the sums and accumulators
+// are float32) and most chunks leave it, and the accumulators' rescale, alone. Each partial
+// keeps (max, sum, acc) consistent, so the merges' weights 2^(max - the largest max) are
+// unchanged in meaning. A/B in one call, median over 26 points of every kernel family:
+// 1.2-2 % faster (k1 0.988, w1s2 0.983, w2s2 0.982, k2 0.984; H200, QSA round 19).
+constexpr float kLazyLog2 = 8.f;
+__device__ __forceinline__ float lazy_max(float m, float mx) { return mx > m + kLazyLog2 ? mx : m; }
+
 // bf16(a * inv * sigmoid(gate)) of 8 dims, gv holding their 8 bf16 gate values.
 __device__ __forceinline__ uint4 gate_scaled(const uint4& gv, const float (&a)[8], float inv) {
   unsigned packed[4];
