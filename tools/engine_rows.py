@@ -129,10 +129,11 @@ def _empty_alloc_op(device: str) -> Call:
     return lambda: small + 1
 
 
-def _launch_floor(kernels: int) -> Callable[[str], Call]:
-    """``kernels`` bound programmatic launches of an empty kernel on the current stream, as
+def _launch_floor(kernels: int, programmatic: bool = True) -> Callable[[str], Call]:
+    """``kernels`` bound launches of an empty kernel on the current stream, programmatic as
     the ops launch theirs (tools/kernels/empty_kernel.cuh): the host floor of a cached call
-    that launches that many kernels, before any argument is read off a tensor."""
+    that launches that many kernels, before any argument is read off a tensor. Plain
+    (``programmatic`` False): what the launch attribute costs the host."""
 
     def make(device: str) -> Call:
         from qsa_bench_util import TOOLS_BUILDER
@@ -142,7 +143,7 @@ def _launch_floor(kernels: int) -> Callable[[str], Call]:
             ("waits",), (PTR,),
         )  # fmt: skip
         index = torch.device(device).index or 0
-        go = family.get((1,), index).bind((1, 1, 1), (32, 1, 1), 0, True)
+        go = family.get((1,), index).bind((1, 1, 1), (32, 1, 1), 0, programmatic)
         buffer = torch.zeros(1, dtype=torch.int32, device=device).data_ptr()
 
         def call() -> None:
@@ -172,6 +173,8 @@ ROWS: dict[str, Row] = {
     "concat 1x16 out=None": Row("pack", "allocated", _pack(False)),
     "launch floor: 1 empty kernel (bound, programmatic)": Row("engine", "", _launch_floor(1)),
     "launch floor: 2 empty kernels (bound, programmatic)": Row("engine", "", _launch_floor(2)),
+    "launch floor: 1 empty kernel (bound, plain)": Row("engine", "", _launch_floor(1, False)),
+    "launch floor: 2 empty kernels (bound, plain)": Row("engine", "", _launch_floor(2, False)),
     EMPTY_OP: Row("torch", "", _empty_op),
     EMPTY_ALLOC_OP: Row("torch", "allocated", _empty_alloc_op),
 }

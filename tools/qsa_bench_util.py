@@ -33,7 +33,11 @@ QSA_PROTOCOL = os.environ.get("QSA_BENCH_PROTOCOL", "rounds")
 BANDWIDTH = 4.24e6  # bytes per microsecond (measured device-to-device copy on the H200)
 PAGE, HEAD_DIM = 64, 128
 L2_CYCLE_BYTES = 240e6  # 4x the H200's 60 MB L2: one graph's gathers pass it this often
-TOL = 2e-2  # normalized max error against the torch path (checked before timing)
+# The correctness contract every variant is checked against before timing, the GPU tests'
+# (tests/test_qsa.py assert_close): per (row, head) a norm-wise relative error under TOL, and
+# every element within 2^-8 |ref| (the bf16 store) + 4e-3 of its head row's max |ref| (fp16
+# P and fp32 sums on elements near zero). A looser ``tol`` (the seed's) scales both.
+TOL = 5e-3
 Args = tuple  # one call's arguments, as the public functions take them
 _pool: list[torch.Tensor] = []
 # The probe kernels of tools/kernels/: built like the package's, never shipped.
@@ -111,7 +115,8 @@ def reference_of(args: Args) -> torch.Tensor:
 
 
 def check(run: Callable, args: Args, expect: torch.Tensor, tol: float = TOL) -> float:
-    """Max error of ``run(args)`` against the torch path's output, normalized; raises on bad."""
+    """The worst norm-wise relative error per (row, head) of ``run(args)`` against the
+    torch path's output ``expect``; raises where TOL's contract (scaled by tol / TOL) fails."""
     out = args[6]
     out.fill_(float("nan"))
     run(args)
@@ -119,10 +124,16 @@ def check(run: Callable, args: Args, expect: torch.Tensor, tol: float = TOL) -> 
     got = out.float()
     if torch.isnan(got).any():
         raise AssertionError("NaN in output")
-    err = ((got - expect).abs() / (expect.abs() + 1e-2 * expect.abs().max())).max().item()
-    if err > tol:
-        raise AssertionError(f"mismatch vs torch path: {err:.3e}")
-    return err
+    diff, ref_norm = (got - expect).abs(), expect.norm(dim=-1)
+    if (got[ref_norm == 0] != 0).any():
+        raise AssertionError("a head row with nothing attended is not zero")
+    worst = (diff.norm(dim=-1) / ref_norm.clamp_min(1e-30))[ref_norm > 0].max().item()
+    bound = 2.0**-8 * expect.abs() + 4e-3 * expect.abs().amax(dim=-1, keepdim=True)
+    excess = (diff - tol / TOL * bound).max().item()
+    if worst >= tol or excess > 0:
+        raise AssertionError(f"mismatch vs torch path: norm-wise {worst:.3e}, an element "
+                             f"{excess:.3e} past its bound (tol {tol:g})")  # fmt: skip
+    return worst
 
 
 def capture(run: Callable, sets: Sequence[Args]) -> torch.cuda.CUDAGraph:

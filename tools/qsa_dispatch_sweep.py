@@ -51,8 +51,8 @@ SEED_PATHS = (
     ROOT / "../shared/anchors/qsa_seed_triton.py",
 )
 # The seed converts e4m3 through fp16 and accumulates as its design does: a measuring
-# stick, not under test, so it gets a looser check than ours (a gross error still fails).
-SEED_TOL = 5e-2
+# stick, not under test, so it gets 5x our bound (a dropped or doubled token still fails).
+SEED_TOL = 2.5e-2
 
 
 def default_seed_path() -> Path:
@@ -207,7 +207,11 @@ def report(rows: list[dict]) -> None:
     print(table(grid.HEADER, [grid.table_row(r) for r in done]))
     missed = [r["name"] for r in done if r["misses"]]
     failed = [r["name"] for r in rows if "error" in r]
-    print(f"{len(done)} points measured, {len(missed)} miss the bar, {len(failed)} failed")
+    # A variant that fails its check is a wrong answer, not a slow one: named, never folded.
+    wrong = [f"{r['name']} {k}" for r in done for k, v in r["times_us"].items()
+             if isinstance(v, str) and k != "triton"]  # fmt: skip
+    print(f"{len(done)} points measured, {len(missed)} miss the bar, {len(failed)} failed"
+          + (f"; variants failing the check: {wrong}" if wrong else ""))  # fmt: skip
 
 
 def sweep_main(opts: argparse.Namespace, banner: Callable[[], dict]) -> None:

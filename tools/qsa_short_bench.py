@@ -27,6 +27,7 @@ import torch
 from qsa_bench_grid import Point, reps_for
 from qsa_bench_util import (
     BANDWIDTH,
+    TOL,
     capture,
     check,
     floor_us,
@@ -61,7 +62,6 @@ ORDERED = ("w1s2", "w1s4", "w2s2", "w4s2")  # configs also timed with the row or
 # The single pass with three bulk stages a warp, its shape until session 27 (two since: 3-8 %
 # faster at topk 256-512 over 512-1536 pairs, where session 27 timed them as "k1s2"), "k1s3".
 K1_THREE_STAGES = (4, 3, 4)
-TOL = 2e-2
 
 
 def columns(seed_fn: Callable | None) -> dict[str, tuple[Callable, float]]:
