@@ -97,6 +97,19 @@ def test_single_pass_crossover_per_arch():
     assert qk.split_count(128, 4, 2048, sm90) == 1 and qk.split_count(127, 4, 2048, sm90) == 2
 
 
+def test_single_pass_crossover_long_selections():
+    """From topk 4096 sm_90 splits in two up to 832 pairs (a part-empty second wave of the
+    single pass measured slower there); shorter selections and other archs keep theirs."""
+    long = qk.decode_min_programs((9, 0), qk.LONG_TOPK_SM90)
+    assert long == qk.DECODE_MIN_PROGRAMS_SM90_LONG == 832
+    assert qk.decode_min_programs((9, 0), qk.LONG_TOPK_SM90 - 1) == 512
+    assert qk.decode_min_programs((9, 0), 8192) == 832
+    assert qk.decode_min_programs((10, 0), 4096) == 2048
+    assert qk.launch_split(160, 4, 4096, 128, SMS, H200, long) == (2, None, None)  # 640 pairs
+    assert qk.launch_split(208, 4, 4096, 128, SMS, H200, long) == (1, None, None)  # 832
+    assert qk.launch_split(160, 4, 2048, 128, SMS, H200, 512) == (1, None, None)
+
+
 @pytest.mark.parametrize("config, cluster, cap, bulk", [
     (qk.BULK_SINGLE_PASS, 0, 0, True),
     (qk.BULK_CLUSTER, 8, qk.CLUSTER_SLOT_CAP, True),

@@ -88,6 +88,9 @@ EXTRA = (Point(2048, 32, 4, 1024), Point(256, 32, 8, 4096))
 # between the grid's 1024, 2048 and 4096 pairs, at round 10's short and long selections.
 SHORT_EDGE_PAIRS = (1536, 2112, 3072)
 SHORT_EDGE_HEADS = ((16, 1, 256), (64, 4, 512), (128, 8, 2048))  # (Hq, Hkv, topk)
+# Past the single pass's gate (512 pairs) at long selections, where a 2-split read level
+# with or ahead of it at 512 pairs (session 29): where the crossover lies.
+GATE_EDGE_PAIRS, GATE_EDGE_TOPKS = (640, 768, 896), (2048, 4096)
 
 
 def grid() -> list[Point]:
@@ -101,6 +104,10 @@ def grid() -> list[Point]:
     points += [
         Point(n // hkv, hq, hkv, t) for hq, hkv, t in SHORT_EDGE_HEADS for n in SHORT_EDGE_PAIRS
     ]
+    points += [
+        Point(n // hkv, hq, hkv, t)
+        for hq, hkv in FULL_HEADS for t in GATE_EDGE_TOPKS for n in GATE_EDGE_PAIRS
+    ]  # fmt: skip
     return points + [p for p in EXTRA if p not in points]
 
 

@@ -129,14 +129,12 @@ WAVE_CONFIG = (8, 4, 1)
 # sweep above): per TOPK bucket, the most (row, kv head) pairs that still take 8 splits,
 # then 4; more pairs take 2. Longer selections want more splits for as many pairs (more
 # work per split amortizes the merge). Each split keeps _MIN_CHUNKS_PER_SPLIT chunks.
-# DECODE_MIN_PROGRAMS: rows * Hkv from which one pass runs (the crossover; per compute
-# capability, decode_min_programs; see plan.use_fp8_decode_kernel).
 CLUSTER_SIZES = (2, 4, 8)  # the table's; wave_split takes any of 2..CLUSTER_MAX
 CLUSTER_MAX = 8  # the portable cluster size limit
 TMMA_MAX_GROUP = 8  # tokens as MMA rows: the group fills the MMA's 8 columns
 CLUSTER_SLOT_CAP = 1024
-DECODE_MIN_PROGRAMS = 2048  # the seed's sm_100 crossover: every arch but sm_90 (not measured)
-DECODE_MIN_PROGRAMS_SM90 = 512  # measured on the H200 (decode_min_programs)
+DECODE_MIN_PROGRAMS, DECODE_MIN_PROGRAMS_SM90, DECODE_MIN_PROGRAMS_SM90_LONG = 2048, 512, 832
+LONG_TOPK_SM90 = 4096  # rows * Hkv from which one pass runs: decode_min_programs
 _SPLIT_TABLE = ((2048, 8, 32), (4096, 16, 128), (None, 64, 128))  # (TOPK up to, 8 to, 4 to)
 _MIN_CHUNKS_PER_SPLIT = 8
 # A selection of at most 16 chunks (topk <= 256) over at most 16 (row, kv head) pairs still
@@ -212,14 +210,16 @@ def decode_smem_bytes(
     return q_bytes + max(stage + slot_cap * 4, red) + inbox + bars
 
 
-def decode_min_programs(cap: tuple[int, int]) -> int:
-    """rows * Hkv from which the dispatcher takes the single pass on compute capability
-    ``cap``. sm_90, measured on the H200 (tools/bench_qsa.py --dispatch-sweep, per call in a
-    graph, inputs cycled past 4x L2, BENCHMARKS.md): the best split over the single pass is
-    0.58-0.87 at rows * Hkv = 256 and 0.99-1.25 at 512 (64/4 topk 2048: 77.6 against 74.9
-    µs; 16/1 topk 512: 33.1 against 29.9), 1.1-1.4 from 1024 on: the single pass from 512.
-    Elsewhere the seed's crossover (its sm_100 rule; not measured here)."""
-    return DECODE_MIN_PROGRAMS_SM90 if cap == (9, 0) else DECODE_MIN_PROGRAMS
+def decode_min_programs(cap: tuple[int, int], topk: int = 0) -> int:
+    """rows * Hkv from which the dispatcher takes the single pass on ``cap`` for selections
+    of ``topk`` (0: any). H200 (bench_qsa.py --dispatch-sweep, graph µs): the best split over
+    the single pass 0.58-0.87 at 256 pairs, 0.99-1.25 at 512, 1.1-1.4 from 1024. At topk
+    4096 the single pass's CTAs past one wave (528) run in a part-empty second: the 2-split
+    0.95-1.00 of it at 512-768 pairs (21 readings, session 29), 1.05-1.07 at 896 (topk 2048
+    mixed: 0.98-1.06 at 512, 0.96-0.98 at 640, 0.99-1.03 at 768). Other archs: the seed's."""
+    if cap != (9, 0):
+        return DECODE_MIN_PROGRAMS
+    return DECODE_MIN_PROGRAMS_SM90_LONG if topk >= LONG_TOPK_SM90 else DECODE_MIN_PROGRAMS_SM90
 
 
 def split_count(

@@ -144,7 +144,7 @@ def qsa_sparse_paged_attention(
 ) -> torch.Tensor:
     """``qsa_sparse_paged_decode``'s contract; small batches split the selection across CTAs.
 
-    ``use_fp8_decode_kernel(rows * Hkv, cache dtype)`` picks the single-pass kernel; below
+    ``use_fp8_decode_kernel(rows * Hkv, cache dtype, topk=TOPK)`` picks the single pass; below
     the crossover each (row, kv head)'s selection is split over a thread block cluster
     (``kernels.launch_split``: as many CTAs as keep every cluster resident at once, one
     per SM, where that holds) whose CTAs merge their partials through distributed shared

@@ -296,18 +296,21 @@ def wave_clusters(device: int) -> Clusters:
 
 
 def use_fp8_decode_kernel(
-    base_programs: int, cache_dtype: torch.dtype, device: int | None = None
+    base_programs: int, cache_dtype: torch.dtype, device: int | None = None, topk: int = 0
 ) -> bool:
     """Whether a call with ``base_programs = rows * num_kv_heads`` takes the single pass on
-    ``device`` (None: the current CUDA device; without CUDA, the crossover of other archs).
+    ``device`` (None: the current CUDA device; without CUDA, the crossover of other archs),
+    for selections of ``topk`` tokens (0, the seed's signature: the size crossover alone).
 
-    Below the crossover (kernels.decode_min_programs: 512 on sm_90, measured on the H200;
-    the seed's 2048 elsewhere) the dispatcher splits each (row, kv head)'s selection over a
-    thread block cluster of 2-8 CTAs (``kernels.launch_split``)."""
+    Below the crossover (kernels.decode_min_programs: on sm_90 512, or 832 from topk 4096,
+    measured on the H200; the seed's 2048 elsewhere) the dispatcher splits each (row, kv
+    head)'s selection over a thread block cluster of 2-8 CTAs (``kernels.launch_split``)."""
     require_int("base_programs", base_programs, 0)
+    require_int("topk", topk, 0)
     if device is None and torch.cuda.is_available():
         device = torch.cuda.current_device()
-    least = DECODE_MIN_PROGRAMS if device is None else decode_min_programs(capability(device))
+    cap = None if device is None else capability(device)
+    least = DECODE_MIN_PROGRAMS if cap is None else decode_min_programs(cap, topk)
     return _single_pass(base_programs, cache_dtype, least)
 
 
@@ -339,7 +342,7 @@ def dispatch_split(
     crossover on, else kernels.launch_split on this device's SMs and clusters; the short
     single pass in place of either where ``short`` (QsaOptions.short) and
     short.short_choice say (``group``: query heads a kv head; ``bulk``: bulk_ok's answer)."""
-    least = decode_min_programs(capability(device))
+    least = decode_min_programs(capability(device), topk)
     single = _single_pass(rows * num_kv_heads, cache_dtype, least)
     call = _short_call(rows, num_kv_heads, topk, head_dim, device, group, bulk)
     if short_choice(short, call, single):

@@ -95,7 +95,7 @@ def warmup_qsa_fp8_decode(
         wave_clusters(device),
         options.tmma,
         options.lean,
-        decode_min_programs(cap),
+        decode_min_programs(cap, selection_width),
         short_reached(options.short, ShortCall(cap, head_dim, group, selection_width, 0, 0, bulk)),
     )
     prepare(plans, device)  # compiled at once, then loaded one by one
