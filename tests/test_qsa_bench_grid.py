@@ -154,3 +154,32 @@ def test_bench_lists_the_sweep_without_a_gpu():
     assert lines[-1].startswith("model seconds:")
     done = subprocess.run([*tool, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0 and "--pairs" in done.stdout and "--dispatch-sweep" in done.stdout
+
+
+def test_variant_check_is_the_gpu_tests_contract(monkeypatch):
+    """qsa_bench_util.check: a near-zero element off by 1e-3 of its row's max passes (the old
+    check, relative to 1 % of the global max, failed sound kernels there); an element off by
+    2 % of its row's max, a NaN, or a non-zero row where nothing was attended fails."""
+    import torch
+
+    util = importlib.import_module("qsa_bench_util")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    expect = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(0))
+    expect[1, 3] = 0.0  # a head row that attended nothing
+    expect[0, 0, 5] = 0.0
+
+    def run_with(change):
+        def run(args):
+            args[6].copy_(expect)
+            change(args[6])
+
+        return run
+
+    args = (None,) * 6 + (torch.empty_like(expect),)
+    row_max = float(expect[0, 0].abs().max())
+    assert util.check(run_with(lambda o: None), args, expect) == 0.0
+    util.check(run_with(lambda o: o[0, 0, 5].add_(1e-3 * row_max)), args, expect)
+    for bad in (lambda o: o[0, 0, 7].add_(2e-2 * row_max), lambda o: o[0, 1, 0].fill_(float("nan")),
+                lambda o: o[1, 3, 0].fill_(1e-3)):  # fmt: skip
+        with pytest.raises(AssertionError):
+            util.check(run_with(bad), args, expect)
