@@ -104,11 +104,13 @@ def grid() -> list[Point]:
     points += [
         Point(n // hkv, hq, hkv, t) for hq, hkv, t in SHORT_EDGE_HEADS for n in SHORT_EDGE_PAIRS
     ]
-    points += [
+    points += [p for p in EXTRA if p not in points]
+    # last, so a time limit cuts these before the rows (EXTRA) and the seeds of the
+    # points before them stay what they were
+    return points + [
         Point(n // hkv, hq, hkv, t)
         for hq, hkv in FULL_HEADS for t in GATE_EDGE_TOPKS for n in GATE_EDGE_PAIRS
     ]  # fmt: skip
-    return points + [p for p in EXTRA if p not in points]
 
 
 def select_pairs(points: Sequence[Point], pairs: str | None) -> list[Point]:
