@@ -172,6 +172,15 @@ def test_entry_points_plan_the_rule(monkeypatch, dispatch, rows, hq, hkv, d, pag
 
 
 @pytest.mark.usefixtures("qsa_stub")
+def test_the_gpu_tests_recorder_wraps_the_op_as_called(planned):
+    """``planned`` (the GPU tests' record of each planned variant) on a stubbed H200: a
+    change of decode_launch's call must not break the GPU tests unseen (698ee07 added an
+    argument and the recorder, taking three, failed 21 GPU tests the CPU suite ran none of)."""
+    _call(QsaOptions(short=False), True, rows=3, hq=8, hkv=2, d=64, page=16, topk=40)
+    assert len(planned) == 1 and isinstance(planned[0], Variant)
+
+
+@pytest.mark.usefixtures("qsa_stub")
 @pytest.mark.parametrize("rows, topk, splits", [(207, 4096, 2), (208, 4096, 1), (160, 2048, 1),
                                                 (127, 2048, 2), (160, 8192, 2)])  # fmt: skip
 def test_long_selections_split_past_a_wave(monkeypatch, rows, topk, splits):
