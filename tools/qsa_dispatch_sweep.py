@@ -123,12 +123,17 @@ def captured(run: Callable, sets: list, expect: torch.Tensor, tol: float) -> obj
         return f"ERR {type(exc).__name__}: {exc}"[:80]
 
 
+def point_sets(p: grid.Point, gib: float, index: int) -> list:
+    """The input sets of the sweep's ``index``-th point (1-based: its seed)."""
+    return make_sets(p.rows, p.hq, p.hkv, p.topk, n_sets_for(p.rows, p.hkv, p.topk, p.head_dim),
+                     gib, seed=index, page=p.page, head_dim=p.head_dim)  # fmt: skip
+
+
 def measure(point: grid.Point, gib: float, seed_fn: Callable | None, index: int) -> dict:
     """One point's JSON row (qsa_bench_grid.summarize). Every variant, the dispatcher and
     the seed are captured first, then timed in interleaved rounds (time_graphs)."""
     p, sms, clusters = point, sm_count(0), qsa_plan.wave_clusters(0)
-    sets = make_sets(p.rows, p.hq, p.hkv, p.topk, n_sets_for(p.rows, p.hkv, p.topk, p.head_dim),
-                     gib, seed=index, page=p.page, head_dim=p.head_dim)  # fmt: skip
+    sets = point_sets(p, gib, index)
     expect = reference_of(sets[0])
     floor = statistics.mean(floor_us(args) for args in sets)
     reps = grid.reps_for(floor, len(sets))

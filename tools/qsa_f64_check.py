@@ -19,8 +19,8 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 import qsa_bench_grid as grid  # noqa: E402
-from qsa_bench_util import make_sets, n_sets_for, pool, reference_of  # noqa: E402
-from qsa_dispatch_sweep import runner  # noqa: E402
+from qsa_bench_util import pool, reference_of  # noqa: E402
+from qsa_dispatch_sweep import point_sets, runner  # noqa: E402
 
 from flashinfer_jit.qsa import plan as qsa_plan  # noqa: E402
 from jit_kernels import sm_count  # noqa: E402
@@ -64,18 +64,7 @@ def main() -> None:
     for i, p in enumerate(grid.grid(), 1):
         if p.name not in names:
             continue
-        sets = make_sets(
-            p.rows,
-            p.hq,
-            p.hkv,
-            p.topk,
-            n_sets_for(p.rows, p.hkv, p.topk, p.head_dim),
-            6.0,
-            seed=i,
-            page=p.page,
-            head_dim=p.head_dim,
-        )
-        args = sets[0]
+        args = point_sets(p, 6.0, i)[0]
         ref = ref64(args)
         print(f"{p.name} (index {i}): torch path {errs(reference_of(args), ref)}", flush=True)
         for label, v in grid.variants_of(p, sms, clusters).items():

@@ -309,8 +309,7 @@ def use_fp8_decode_kernel(
     require_int("topk", topk, 0)
     if device is None and torch.cuda.is_available():
         device = torch.cuda.current_device()
-    cap = None if device is None else capability(device)
-    least = DECODE_MIN_PROGRAMS if cap is None else decode_min_programs(cap, topk)
+    least = DECODE_MIN_PROGRAMS if device is None else decode_min_programs(capability(device), topk)
     return _single_pass(base_programs, cache_dtype, least)
 
 
