@@ -337,9 +337,13 @@ def test_split_count_and_specs():
     # fused or not; cp.async or cp.async two chunks a step, bulk with 2 CTAs only; and the
     # one-wave splits (fused, two chunks a step, 2..8 CTAs at two configs; 3 already counted;
     # 2..WAVE_SLOT_PASS_SPLITS CTAs also after the slot pass); no 2- or 4-CTA two-chunk
-    # clusters without slots (past qk.MAX_SMS SMs only)
-    after_slot_pass = qk.WAVE_SLOT_PASS_SPLITS - 1
-    assert len(clusters) == 2 * (2 * len(qk.CLUSTER_SIZES) + 1) + 2 * 7 - 3 - 2 + after_slot_pass
+    # clusters without slots (past qk.MAX_SMS SMs only); the 2-split in row order, cp.async
+    # and bulk (kernels.ordered_split: head_dim 128)
+    after_slot_pass, ordered = qk.WAVE_SLOT_PASS_SPLITS - 1, 2
+    assert len(clusters) == (
+        2 * (2 * len(qk.CLUSTER_SIZES) + 1) + 2 * 7 - 3 - 2 + after_slot_pass + ordered
+    )
+    assert sum("order=True" in label for label in clusters) == ordered
     assert len(qsa_warmup.all_specs(16, 64, 64, 1)) == 2 + 1 + 2 * len(qk.CLUSTER_SIZES)  # no bulk
 
 
@@ -355,11 +359,11 @@ def _checked_specs() -> list:
     specs += qsa_warmup.all_specs(5, 128, 48, 1)
     specs += [qk.slots_family.spec((64, order, e)) for order in (True, False) for e in (2, 4, 8)]
     specs += [
-        qk.cluster_family.spec((16, 128, 4, 3, 4, c, cap, True, False))
+        qk.cluster_family.spec((16, 128, 4, 3, 4, c, cap, True, False, False))
         for c, cap in ((8, 1024), (2, 0))
     ]
     specs += [
-        qk.cluster_family.spec((g, d, *qk.DECODE_CONFIG[d], c, cap, False, False))
+        qk.cluster_family.spec((g, d, *qk.DECODE_CONFIG[d], c, cap, False, False, cap == 0))
         for g, d, c, cap in CLUSTER_EXTRA
     ]
     return list(dict.fromkeys(specs))

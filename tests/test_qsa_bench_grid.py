@@ -15,7 +15,7 @@ import pytest
 from flashinfer_jit.qsa import warmup
 from flashinfer_jit.qsa.checks import MAX_GROUP
 from flashinfer_jit.qsa.kernels import MAX_SMS, table_pairs_unfused
-from flashinfer_jit.qsa.plan import QsaOptions
+from flashinfer_jit.qsa.plan import QsaOptions, Variant
 from flashinfer_jit.qsa.short import decode_short_family
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,10 @@ def test_grid_covers_the_issue_ranges():
 
 def test_variants_and_dispatcher_pick():
     below, above = grid.Point(128, 128, 8, 2048), grid.Point(4096, 128, 8, 4096)
-    assert set(grid.variants_of(below, SMS, CLUSTERS)) == {"k1", "k2", "k4", "split", "short"}
+    variants = grid.variants_of(below, SMS, CLUSTERS)
+    assert set(variants) == {"k1", "k2", "k4", "split", "short", "k2o", "k4o"}
+    assert variants["k2o"] == Variant(2, False, order=True)
+    assert "k2o" not in grid.variants_of(grid.Point(16, 128, 8, 2048), SMS, CLUSTERS)
     assert set(grid.variants_of(above, SMS, CLUSTERS)) == {"k1", "short"}
     # the issue's first shape: the table's 2-CTA split, the same launch as k2
     assert grid.timed_labels(below, SMS, CLUSTERS)["split"] == "k2"
@@ -96,7 +99,7 @@ def test_short_column_and_its_threshold_points():
 def test_specs_are_shipped_and_bounded():
     points = grid.grid()
     specs = grid.sweep_specs(points, SMS, CLUSTERS)
-    assert 0 < len(specs) <= 60  # ~1 s each, built in parallel before timing
+    assert 0 < len(specs) <= 80  # ~1 s each, built in parallel before timing
     options = QsaOptions()
     forms = (options.slot_entries, options.tmma, options.lean, True)  # the short pass too
     shipped = set()
@@ -107,6 +110,9 @@ def test_specs_are_shipped_and_bounded():
     # launches those (qsa.kernels.table_pairs_unfused), so prebuild leaves them to the sweep.
     for spec in set(specs) - shipped:
         params = spec.param_dict
+        if params.get("order"):  # the ordered clusters (k2o, k4o): after the slot pass
+            assert not params["slot_cap"] and params["cluster"] in (2, 4), spec
+            continue
         assert params["pair"] and not params["slot_cap"] and params["cluster"] in (2, 4), spec
         assert not table_pairs_unfused(params["cluster"], MAX_SMS)
     assert 0 < grid.triton_specs(points) <= 30

@@ -9,6 +9,7 @@ public functions, and the loop forms over group sizes and head dims.
 
 from __future__ import annotations
 
+import itertools
 import math
 import subprocess
 
@@ -196,15 +197,18 @@ SWEEP_TOPK = (*(16 * c for c in (4, 7, 8, 12, 15, 16, 17, 23, 24, 31, 32, 39, 40
 def _reached(sms: int) -> set[str]:
     """The cluster kernels dispatch_plans reaches on ``sms`` SMs: clusters bound by the GPCs
     (the H200's, scaled) or by the SMs alone, every (row, kv head) pair count below the
-    larger crossover (Hkv 1: the rules see only pairs; sm_90's crossover splits a subset),
-    TOPK as SWEEP_TOPK, V after K or apart."""
+    seed's crossover and below sm_90's (which splits a subset, some in row order; Hkv 1:
+    the rules see only pairs), TOPK as SWEEP_TOPK, V after K or apart."""
     models = (lambda k: qk.H200_WAVE_CLUSTERS[k] * sms // SMS, lambda k: sms // k)
     seen = set()
-    for clusters in models:
-        for topk in SWEEP_TOPK:
-            for bulk in (True, False):
-                plans = qsa_warmup.dispatch_plans(16, 128, 64, 1, topk, bulk, sms, 1, clusters)
-                seen |= {f.spec(p).label for f, p in plans if f is qk.cluster_family}
+    for clusters, topk, bulk, cap in itertools.product(
+        models, SWEEP_TOPK, (True, False), (None, (9, 0))
+    ):
+        least = qk.DECODE_MIN_PROGRAMS if cap is None else qk.decode_min_programs(cap, topk, 128)
+        plans = qsa_warmup.dispatch_plans(
+            16, 128, 64, 1, topk, bulk, sms, 1, clusters, min_programs=least, cap=cap
+        )
+        seen |= {f.spec(p).label for f, p in plans if f is qk.cluster_family}
     return seen
 
 

@@ -181,24 +181,31 @@ def test_the_gpu_tests_recorder_wraps_the_op_as_called(planned):
 
 
 @pytest.mark.usefixtures("qsa_stub")
-@pytest.mark.parametrize("rows, topk, splits", [(207, 4096, 2), (208, 4096, 1), (160, 2048, 1),
-                                                (127, 2048, 2), (160, 8192, 2)])  # fmt: skip
+@pytest.mark.parametrize("rows, topk, splits", [(207, 4096, 2), (208, 4096, 1), (160, 2048, 2),
+                                                (208, 2048, 1), (127, 2048, 2), (160, 8192, 2),
+                                                (160, 1024, 1)])  # fmt: skip
 def test_long_selections_split_past_a_wave(monkeypatch, rows, topk, splits):
-    """Hkv 4 at topk >= 4096: the 2-split up to 832 pairs, then the single pass (512 below
-    4096); warm-up lists what the call launches and prebuild holds it."""
+    """Hkv 4, head_dim 128 at topk >= 2048: the 2-split up to 832 pairs, in the slot pass's
+    row order from 512, then the single pass (512 below topk 2048); warm-up lists what the
+    call launches and prebuild holds it."""
     seen = _planned(monkeypatch)
     _call(QsaOptions(short=False), True, rows=rows, hq=64, hkv=4, d=128, page=64, topk=topk)
     families = dict(seen)
     if splits == 1:
         assert "qsa_decode_form" in families and "qsa_decode_cluster" not in families
     else:
-        cluster = qk.cluster_family.spec(families["qsa_decode_cluster"])
-        assert cluster.param_dict["cluster"] == splits and "qsa_decode_form" not in families
+        cluster = qk.cluster_family.spec(families["qsa_decode_cluster"]).param_dict
+        assert cluster["cluster"] == splits and "qsa_decode_form" not in families
+        assert cluster["order"] == (rows * 4 >= 512)
+        assert (
+            families.get("qsa_slots", (64, False))[1] == cluster["order"]
+        )  # the slot pass's ORDER
     shipped = qsa.OP.default.options
     forms = (shipped.slot_entries, shipped.tmma, shipped.lean)
     plans = qsa_warmup.dispatch_plans(16, 128, 64, 4, topk, False, 132, forms[0],
                                       qk.H200_WAVE_CLUSTERS.get, *forms[1:],
-                                      qk.decode_min_programs((9, 0), topk))  # fmt: skip
+                                      qk.decode_min_programs((9, 0), topk, 128),
+                                      cap=(9, 0))  # fmt: skip
     assert set(seen) <= {(f.family, p) for f, p in plans}
     specs = qsa_warmup.all_specs(16, 128, 64, *forms)
     assert {f.spec(p).label for f, p in plans} <= {sp.label for sp in specs}
@@ -357,22 +364,6 @@ def test_gpu_dispatched_one_warp_configs(planned, per_sm, config, shape):
     got = qsa.qsa_sparse_paged_attention(*args_of(case))
     torch.cuda.synchronize()
     assert planned[-1] == Variant(config=config, short=True, order=True)
-    assert_close(got, ref_of(case))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows, splits", [(80, 2), (104, 1)])
-def test_gpu_long_selections_split_past_a_wave(planned, rows, splits):
-    """topk 4096 over 640 pairs takes the 2-split, over 832 the single pass (sm_90)."""
-    from jit_kernels import capability
-
-    if capability(0) != (9, 0):
-        pytest.skip("the long-selection crossover is sm_90's")
-    shape = (16, 8, 128, 64, 4096, True)
-    case = _gpu_case(rows, shape, seed=rows)
-    got = qsa.qsa_sparse_paged_attention(*args_of(case))
-    torch.cuda.synchronize()
-    assert planned[-1].num_splits == splits and not planned[-1].short
     assert_close(got, ref_of(case))
 
 

@@ -38,8 +38,13 @@ H200_CAP = (9, 0)
 # forced on) from sm_90's single-pass crossover on, so the sweep shows where it should start
 # (short.SHORT_MIN_PAIRS_PER_SM, provisional) and end (SHORT_MAX_TOPK: topk 4096 timed too).
 SPLITS = ("k2", "k4", "split")
-OURS = ("k1", *SPLITS, "short")
+# k2o / k4o: those clusters after the slot pass, taking the rows longest first (the single
+# pass's order): past one wave of clusters a grid's later clusters then start in decreasing
+# length as the first finish (rows' counts vary up to 2x), from ORDERED_MIN_PAIRS pairs.
+ORDERED = ("k2o", "k4o")
+OURS = ("k1", *SPLITS, *ORDERED, "short")
 K2_MAX_PAIRS, K4_MAX_PAIRS = 4 * GATE, GATE // 2
+ORDERED_MIN_PAIRS = 256
 SHORT_MIN_TIMED = qk.DECODE_MIN_PROGRAMS_SM90  # below it sm_90 splits: no short pass there
 
 
@@ -132,6 +137,9 @@ def variants_of(point: Point, sms: int, clusters: qk.Clusters) -> dict[str, Vari
         out["k2"] = Variant(2)
     if point.pairs <= K4_MAX_PAIRS:
         out["k4"] = Variant(4)
+    for label, splits, most in (("k2o", 2, K2_MAX_PAIRS), ("k4o", 4, K4_MAX_PAIRS)):
+        if point.topk and ORDERED_MIN_PAIRS <= point.pairs <= most:
+            out[label] = Variant(splits, False, order=True)
     if point.pairs < GATE:
         out["split"] = split_variant(point, sms, clusters)
     if point.pairs >= SHORT_MIN_TIMED and point.head_dim in qs.SHORT_HEAD_DIMS and point.topk:

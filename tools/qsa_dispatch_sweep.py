@@ -201,6 +201,8 @@ def report(rows: list[dict]) -> None:
     done = [r for r in rows if "times_us" in r]
     print("\n== gate data: best split µs / single pass (k1) µs by rows x Hkv (< 1: a split wins)")
     print("\n".join(grid.gate_lines(done)))
+    print("\n== ordered clusters: best of k2o / k4o µs / single pass (k1) µs by rows x Hkv")
+    print("\n".join(grid.gate_lines(done, grid.ORDERED)))
     print("\n== short gate data: short single pass µs / single pass (k1) µs by rows x Hkv "
           f"(< 1: short wins; the rule: from (topk up to, pairs per SM) "
           f"{qs.SHORT_MIN_PAIRS_PER_SM}, with bulk copies {qs.SHORT_WIDE_MIN_PAIRS_PER_SM} "

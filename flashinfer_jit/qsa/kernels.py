@@ -22,54 +22,14 @@ Bulk copies fetch a token's K and V rows (256 bytes) at once, so they need D = 1
 right after K in memory with K's strides: the combined [blocks, Hkv, page, 2D] cache split
 as the seed's warm-up does. Other caches and head dims keep the cp.async gathers.
 
-Round 4 (q copied with the first loads, see templates/qsa/util.cuh q_copy) re-swept the
-clusters (CUDA-graph µs per call, D=128, page 64; pairs = rows x Hkv; cp = cp.async):
-
-    rows/Hq/Hkv/topk   old rule           best                 runner-up
-    1/64/4/2048        k8 cp s3     9.4   k8 cp s2      8.9    k8 cp s3  9.2
-    4/64/4/2048        k8 cp s3    13.1   k4 cp s2     11.9    k4 cp s3 12.2, k8 cp s2 12.4
-    8/64/4/2048        k8 cp s3    19.3   k4 cp s2     14.5    k4 cp s3 15.2, k2 cp s2 17.4
-    16/64/4/2048       k4 cp s3    23.5   k2 cp s2     18.3    k2 cp s3 18.4, k4 bulk 23.4
-    32/64/4/2048       k2 bulk     30.0   k2 cp s2     26.8    k2 cp s3 27.4, k2 bulk 29.8
-    64/64/4/2048       k2 bulk     44.3   k2 bulk      44.5    k2 cp s2 48.2
-    4/64/4/8192        k8 cp s3    22.8   k8 cp s2     22.2    k8 cp s3 23.1
-    16/64/4/8192       k8 cp s3    54.1   k8 cp s2     50.5    k8 cp s3 51.2
-    64/64/4/8192       k4 bulk    144.3   k2 bulk     135.3    k4 bulk 144.6
-    4/32/8/4096        k8 cp s3    20.8   k4 cp s2     20.2    k8 cp s2 21.3
-    16/32/8/4096       k4 bulk     46.9   k4 cp s2     45.9    k4 cp s3 46.3
-
-so fewer splits than before (split_count's table), two cp.async stages for clusters, and
-bulk copies only for 2-CTA clusters over more than two waves of one CTA per SM (with 4-8
-CTA clusters the cp.async gathers won even at 512 CTAs).
-
-Round 5 (a globaltimer trace per CTA, rows=4: slot lookups 1.5-1.8 µs, issuing the first
-copies 1.5 µs, the loop 4 µs, the merges 2 µs) showed a small call bound by the bytes one
-SM keeps in flight: an SM pulls ~30 GB/s of scattered 256-byte rows, so the calls go
-faster the more SMs share them, one CTA on each. Hence wave_split: as many splits as keep
-every cluster resident at once with one CTA per SM (WAVE_CONFIG's 144 KB of shared memory
-allows no second), counted by the device (jit_kernels.max_active_clusters: a cluster
-stays within a GPC, so the H200 runs 66/39/30/22/17/15/15 clusters of 2..8, not 132/k).
-H200, graph µs, in-kernel slots, two chunks a step; shipped = split_count's table:
-
-    rows/Hq/Hkv/topk  shipped    wave (8 warps x 4 stages)   4 warps x 8 stages
-    1/64/4/2048       k8  7.72   k8  7.96                    k8  7.96
-    2/64/4/2048       k8  8.36   k8  8.73                    k8  8.69
-    3/64/4/2048       k4 10.45   k8  8.99                    k8  8.92
-    4/64/4/2048       k4 10.55   k6  9.72                    k6  9.96
-    6/64/4/2048       k4 11.86   k4 11.24                    k4 11.15
-    8/64/4/2048       k4 14.26   k3 12.97                    k3 13.55
-    12/64/4/2048      k2 17.97   k2 16.00                    k2 16.42
-    16/64/4/2048      k2 18.11   k2 16.79                    k2 17.40
-    4/32/4/2048       k4 10.31   k6  9.13                    k6  9.18
-    1/32/8/1024       k8  6.07   k8  6.24                    k8  6.40
-
-so the wave split with 8 warps of 4 stages, except where the split's grid is at most half
-a wave (rows 1-2 above), which keeps CLUSTER_PAIR_CONFIG. Where a split's slots do not
-fit the in-kernel list (more than CLUSTER_SLOT_CAP entries), a wave split of at most
-WAVE_SLOT_PASS_SPLITS CTAs runs after the slot pass (WAVE_CONFIG: such grids are over half
-a wave); larger ones keep the table (not measured). Session 23 (tools/qsa_cluster_sweep.py,
-graph µs, the table's k4 in one launch against the wave's k2 after the slot pass):
-64/16/1/4096 35.4 -> 30.0, 16/64/4/4096 34.4 -> 28.8.
+Rounds 4-5 (their tables: docs/perf-log/qsa.md, "The split rule's sweeps") re-swept the
+clusters: fewer splits (split_count's table), two cp.async stages for clusters, bulk copies
+only for 2-CTA clusters over more than two waves of one CTA per SM; then wave_split, as many
+splits as keep every cluster resident at once with one CTA per SM (WAVE_CONFIG; a cluster
+stays within a GPC, so the H200 runs 66/39/30/22/17/15/15 clusters of 2..8, not 132/k),
+except where the split's grid is at most half a wave (CLUSTER_PAIR_CONFIG). Where a split's
+slots do not fit the in-kernel list, a wave split of at most WAVE_SLOT_PASS_SPLITS CTAs runs
+after the slot pass (WAVE_CONFIG); larger ones keep the table.
 """
 
 from __future__ import annotations
@@ -135,6 +95,7 @@ TMMA_MAX_GROUP = 8  # tokens as MMA rows: the group fills the MMA's 8 columns
 CLUSTER_SLOT_CAP = 1024
 DECODE_MIN_PROGRAMS, DECODE_MIN_PROGRAMS_SM90, DECODE_MIN_PROGRAMS_SM90_LONG = 2048, 512, 832
 LONG_TOPK_SM90 = 4096  # selections from which sm_90's crossover is the LONG one (see below)
+LONG_TOPK_SM90_D128 = 2048  # the same at head_dim 128, with the 2-split in row order
 _SPLIT_TABLE = ((2048, 8, 32), (4096, 16, 128), (None, 64, 128))  # (TOPK up to, 8 to, 4 to)
 _MIN_CHUNKS_PER_SPLIT = 8
 # A selection of at most 16 chunks (topk <= 256) over at most 16 (row, kv head) pairs still
@@ -179,7 +140,7 @@ cluster_family = kernel_family(
     "qsa_decode_cluster",
     "qsa/sm89_mma_decode.cuh",
     "fij_qsa::qsa_decode_cluster",
-    (*_DECODE_PARAMS, "cluster", "slot_cap", "bulk", "pair"),
+    (*_DECODE_PARAMS, "cluster", "slot_cap", "bulk", "pair", "order"),
     _DECODE_SIGNATURE,
     ptx_twins=SM107A_TAKES_SM100A,
 )
@@ -210,16 +171,29 @@ def decode_smem_bytes(
     return q_bytes + max(stage + slot_cap * 4, red) + inbox + bars
 
 
-def decode_min_programs(cap: tuple[int, int], topk: int = 0) -> int:
+def decode_min_programs(cap: tuple[int, int], topk: int = 0, head_dim: int = 0) -> int:
     """rows * Hkv from which the dispatcher takes the single pass on ``cap`` for selections
-    of ``topk`` (0: any). H200 (bench_qsa.py --dispatch-sweep, graph µs): the best split over
-    the single pass 0.58-0.87 at 256 pairs, 0.99-1.25 at 512, 1.1-1.4 from 1024. At topk
-    4096 the single pass's CTAs past one wave (528) run in a part-empty second: the 2-split
-    0.95-1.00 of it at 512-768 pairs (21 readings, session 29), 1.05-1.07 at 896 (topk 2048
-    mixed: 0.98-1.06 at 512, 0.96-0.98 at 640, 0.99-1.03 at 768). Other archs: the seed's."""
+    of ``topk`` at ``head_dim`` (0: any). H200 (bench_qsa.py --dispatch-sweep, graph µs): the
+    best split over the single pass 0.58-0.87 at 256 pairs, 0.99-1.25 at 512, 1.1-1.4 from
+    1024. Past one wave (528 CTAs) the single pass's last rows run in a part-empty second
+    wave, and in one wave the call ends with its longest row (counts vary 2x): from topk 4096
+    the 2-split 0.95-1.00 of it at 512-768 pairs, 1.05-1.07 at 896 (session 29); at head_dim
+    128 from topk 2048, the 2-split in the slot pass's row order (ordered_split) 0.87-0.98
+    at 512-768 pairs, 1.04-1.09 at 896 (session 30; head dims 64 / 256 at 512 pairs 1.07 /
+    1.10: not there). Other archs: the seed's."""
     if cap != (9, 0):
         return DECODE_MIN_PROGRAMS
-    return DECODE_MIN_PROGRAMS_SM90_LONG if topk >= LONG_TOPK_SM90 else DECODE_MIN_PROGRAMS_SM90
+    long = topk >= LONG_TOPK_SM90 or (head_dim == 128 and topk >= LONG_TOPK_SM90_D128)
+    return DECODE_MIN_PROGRAMS_SM90_LONG if long else DECODE_MIN_PROGRAMS_SM90
+
+
+def ordered_split(cap: tuple[int, int], pairs: int, splits: int, head_dim: int) -> bool:
+    """Whether a split launch takes the rows in the slot pass's order (longest first; after
+    the slot pass, no in-kernel slots): on sm_90 a 2-split of head_dim 128 past the single
+    pass's one-wave crossover, where its ~1000-1700 CTAs run in two to three waves and the
+    order lets the later clusters fill in behind the long rows. H200 (session 30, 9 geometries
+    x 512-768 pairs, topk 2048-4096): 3-10 % faster than the 2-split in index order."""
+    return cap == (9, 0) and splits == 2 and head_dim == 128 and pairs >= DECODE_MIN_PROGRAMS_SM90
 
 
 def split_count(
@@ -387,14 +361,16 @@ def decode_plan(
     tmma: bool = False,
     lean: bool = False,
     pair: bool = False,
+    order: bool = False,
 ) -> Plan:
     """The decode kernel of a single pass (``cluster`` 0) or of a cluster split-K. The single
-    pass's loop forms: ``tmma``, tokens as the MMAs' rows (groups of at most 8
-    heads; ignored above); ``lean``, loop invariants kept in registers. A cluster's
-    ``pair``: two chunks a step."""
+    pass's loop forms: ``tmma``, tokens as the MMAs' rows (groups of at most 8 heads; ignored
+    above); ``lean``, loop invariants kept in registers. A cluster's ``pair``: two chunks a
+    step; ``order``: rows in the slot pass's order (not ``fused``)."""
     if not cluster:
         tmma = tmma and group <= TMMA_MAX_GROUP
         if tmma or lean:
             return decode_form_family, (group, head_dim, *config, bulk, tmma, lean)
         return decode_family, (group, head_dim, *config, bulk)
-    return cluster_family, (group, head_dim, *config, cluster, CLUSTER_SLOT_CAP * fused, bulk, pair)
+    slot_cap = CLUSTER_SLOT_CAP * fused
+    return cluster_family, (group, head_dim, *config, cluster, slot_cap, bulk, pair, order)

@@ -104,7 +104,7 @@ def run_kernels(
     bulk: bool | None = None,
     pair: bool | None = None,
     short: bool = False,
-    order: bool = True,
+    order: bool | None = None,
     **options,
 ) -> None:
     """Launch one variant's kernels for a call (``args`` as the public functions take them;

@@ -32,6 +32,7 @@ from .kernels import (
     fused_fits,
     gather_choice,
     launch_split,
+    ordered_split,
     slot_plan,
     wave_smem_bytes,
 )
@@ -100,7 +101,9 @@ class Variant:
     (warps, stages, min CTAs), ``bulk`` (the gather) and ``pair`` (two chunks a step)
     replace the shipped rule where not None. ``short``: the single pass as qsa_decode_short
     (``short.py``; ``config`` from its ranges, default SHORT_DEFAULT), its rows in the slot
-    pass's order or (``order`` False) in index order."""
+    pass's order or (``order`` False) in index order. ``order`` True on a cluster: after the
+    slot pass, the clusters take the rows longest first (None: the single passes read the
+    order, clusters do not)."""
 
     num_splits: int = 1
     fused: bool | None = None
@@ -108,7 +111,7 @@ class Variant:
     bulk: bool | None = None
     pair: bool | None = None
     short: bool = False
-    order: bool = True
+    order: bool | None = None
 
 
 def _splits(topk: int, variant: Variant) -> tuple[int, int, bool]:
@@ -125,8 +128,8 @@ def _splits(topk: int, variant: Variant) -> tuple[int, int, bool]:
         raise ValueError(
             f"fused slots need a cluster whose splits hold <= {CLUSTER_SLOT_CAP} entries each"
         )
-    if fused is None:
-        fused = bool(cluster) and fused_fits(topk, num_splits)
+    if fused is None:  # (the row order comes with the slot pass)
+        fused = bool(cluster) and fused_fits(topk, num_splits) and not variant.order
     return num_splits, cluster, fused
 
 
@@ -140,7 +143,7 @@ class Choice(NamedTuple):
     kernel: Plan  # the decode's (family, params)
     bulk: bool  # one bulk copy per token's K and V rows
     config: tuple[int, int, int]  # (warps, stages, min CTAs)
-    order: bool  # the decode reads the slot pass's row order (the single pass's)
+    order: bool  # the decode reads the slot pass's row order (the single passes')
     slots: Plan | None  # the slot pass's (family, params)
 
     @property
@@ -225,23 +228,26 @@ def _kernel_choice(
     can_bulk: bool,
 ) -> tuple:
     """(family, params, bulk, config, order) of a launch: ``order`` whether the decode reads
-    the slot pass's row order (the single pass's; clusters read none)."""
-    if not (variant.short or variant.order):
+    the slot pass's row order (variant.order; None: the single passes do, clusters do not)."""
+    order = not cluster if variant.order is None else variant.order
+    if not (order or variant.short or cluster):
         raise ValueError("order=False applies to the short single pass (short=True) only")
+    if order and fused:
+        raise ValueError("order=True: the row order comes with the slot pass (fused=False)")
     if variant.short:
         if cluster or variant.pair:
             raise ValueError("the short single pass takes one split and one chunk a step")
         bulk = gather_choice(head_dim, 0, grid_ctas, sms, can_bulk, variant.bulk)[0]
         config = checked_short_config(variant.config or SHORT_DEFAULT, head_dim, bulk)
-        family, params = short_plan(group, head_dim, bulk, config, options.tmma, variant.order)
-        return family, params, bulk, config, variant.order
+        family, params = short_plan(group, head_dim, bulk, config, options.tmma, order)
+        return family, params, bulk, config, order
     bulk, config, pair = gather_choice(
         head_dim, cluster, grid_ctas, sms, can_bulk, variant.bulk, variant.config, variant.pair
     )
     family, params = decode_plan(
-        group, head_dim, cluster, fused, bulk, config, options.tmma, options.lean, pair
+        group, head_dim, cluster, fused, bulk, config, options.tmma, options.lean, pair, order
     )
-    return family, params, bulk, config, not cluster
+    return family, params, bulk, config, order
 
 
 def slot_kernel(topk: int, page_size: int, order: bool, options: QsaOptions) -> Plan | None:
@@ -296,20 +302,29 @@ def wave_clusters(device: int) -> Clusters:
 
 
 def use_fp8_decode_kernel(
-    base_programs: int, cache_dtype: torch.dtype, device: int | None = None, topk: int = 0
+    base_programs: int,
+    cache_dtype: torch.dtype,
+    device: int | None = None,
+    topk: int = 0,
+    head_dim: int = 0,
 ) -> bool:
     """Whether a call with ``base_programs = rows * num_kv_heads`` takes the single pass on
     ``device`` (None: the current CUDA device; without CUDA, the crossover of other archs),
-    for selections of ``topk`` tokens (0, the seed's signature: the size crossover alone).
+    for selections of ``topk`` tokens at ``head_dim`` (0, the seed's signature: the size
+    crossover alone).
 
-    Below the crossover (kernels.decode_min_programs: on sm_90 512, or 832 from topk 4096,
-    measured on the H200; the seed's 2048 elsewhere) the dispatcher splits each (row, kv
-    head)'s selection over a thread block cluster of 2-8 CTAs (``kernels.launch_split``)."""
+    Below the crossover (kernels.decode_min_programs: on sm_90 512, or 832 from topk 4096
+    and at head_dim 128 from topk 2048, measured on the H200; the seed's 2048 elsewhere) the
+    dispatcher splits each (row, kv head)'s selection over a thread block cluster of 2-8
+    CTAs (``kernels.launch_split``)."""
     require_int("base_programs", base_programs, 0)
     require_int("topk", topk, 0)
+    require_int("head_dim", head_dim, 0)
     if device is None and torch.cuda.is_available():
         device = torch.cuda.current_device()
-    least = DECODE_MIN_PROGRAMS if device is None else decode_min_programs(capability(device), topk)
+    if device is None:
+        return _single_pass(base_programs, cache_dtype, DECODE_MIN_PROGRAMS)
+    least = decode_min_programs(capability(device), topk, head_dim)
     return _single_pass(base_programs, cache_dtype, least)
 
 
@@ -341,7 +356,8 @@ def dispatch_split(
     crossover on, else kernels.launch_split on this device's SMs and clusters; the short
     single pass in place of either where ``short`` (QsaOptions.short) and
     short.short_choice say (``group``: query heads a kv head; ``bulk``: bulk_ok's answer)."""
-    least = decode_min_programs(capability(device), topk)
+    cap = capability(device)
+    least = decode_min_programs(cap, topk, head_dim)
     single = _single_pass(rows * num_kv_heads, cache_dtype, least)
     call = _short_call(rows, num_kv_heads, topk, head_dim, device, group, bulk)
     if short_choice(short, call, single):
@@ -350,6 +366,8 @@ def dispatch_split(
         return Variant()
     sms, clusters = call.sms, wave_clusters(device)
     splits, config, pair = launch_split(rows, num_kv_heads, topk, head_dim, sms, clusters, least)
+    if ordered_split(cap, rows * num_kv_heads, splits, head_dim):
+        return Variant(splits, False, config, None, pair, order=True)
     return Variant(splits, None, config, None, pair)
 
 

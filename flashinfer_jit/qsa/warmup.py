@@ -28,6 +28,7 @@ from .kernels import (
     fused_fits,
     gather_choice,
     launch_split,
+    ordered_split,
     pairs_apply,
     slot_plan,
     table_pairs_unfused,
@@ -81,8 +82,7 @@ def warmup_qsa_fp8_decode(
         or capability(cuda_device_index(kv_cache)) < (8, 9)
     ):
         return ()
-    device = cuda_device_index(kv_cache)
-    cap = capability(device)
+    cap = capability(device := cuda_device_index(kv_cache))
     k_cache, v_cache = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
     group, bulk = num_query_heads // num_kv_heads, bulk_ok(k_cache, v_cache, device)
     geometry = (group, head_dim, page_size, num_kv_heads)
@@ -95,8 +95,9 @@ def warmup_qsa_fp8_decode(
         wave_clusters(device),
         options.tmma,
         options.lean,
-        decode_min_programs(cap, selection_width),
+        decode_min_programs(cap, selection_width, head_dim),
         short_reached(options.short, ShortCall(cap, head_dim, group, selection_width, 0, 0, bulk)),
+        cap=cap,
     )
     prepare(plans, device)  # compiled at once, then loaded one by one
     for family, params in plans:
@@ -131,12 +132,15 @@ def dispatch_plans(
     lean: bool = False,
     min_programs: int = DECODE_MIN_PROGRAMS,
     short: bool = False,
+    *,
+    cap: tuple[int, int] | None = None,
 ) -> list[Plan]:
     """Every kernel the dispatcher and the single-pass function launch for calls of this
     geometry, whatever their row count: the single pass (its loop form as ``tmma`` and
     ``lean`` flip it) with its ordered slot pass, the short single pass where ``short``
     (short.short_reached), and the cluster split-K of each row count below the crossover
-    ``min_programs`` / Hkv (``clusters``: the device's, see launch_split)."""
+    ``min_programs`` / Hkv (``clusters``: the device's, see launch_split), in the slot pass's
+    row order where ordered_split says so on a device of ``cap``."""
     single = default_config(head_dim, 0, bulk_ok)
     plans = [slot_plan(page_size, True, entries)]
     plans.append(decode_plan(group, head_dim, 0, False, bulk_ok, single, tmma, lean))
@@ -151,12 +155,15 @@ def dispatch_plans(
         )
         if splits == 1:
             continue
-        fused = fused_fits(topk, splits)
+        order = cap is not None and ordered_split(cap, rows * num_kv_heads, splits, head_dim)
+        fused = fused_fits(topk, splits) and not order
         grid = rows * num_kv_heads * splits
         bulk, config, pair = gather_choice(head_dim, splits, grid, sms, bulk_ok, None, config, pair)
         if not fused:
-            plans.append(slot_plan(page_size, False, entries))
-        plans.append(decode_plan(group, head_dim, splits, fused, bulk, config, pair=pair))
+            plans.append(slot_plan(page_size, order, entries))
+        plans.append(
+            decode_plan(group, head_dim, splits, fused, bulk, config, pair=pair, order=order)
+        )
     return list(dict.fromkeys(plans))
 
 
@@ -185,6 +192,8 @@ def all_specs(
             if bulk and not takes_bulk(True, cluster, grid_ctas=3, sms=1):
                 continue
             config = default_config(head_dim, cluster, bulk)
+            if head_dim == 128 and cluster == 2:  # the 2-split in row order (ordered_split)
+                plans.append(decode_plan(group, head_dim, 2, False, bulk, config, order=True))
             for fused in (True, False):
                 plans.append(decode_plan(group, head_dim, cluster, fused, bulk, config))
                 # small grids take it; 2 or 4 CTAs without slots, only past MAX_SMS SMs

@@ -49,8 +49,10 @@ namespace fij_qsa {
 // iteration) and the stages advance by counters instead of k % NUM_STAGES.
 // PAIR (cp.async, heads as rows): a warp steps two chunks at a time (qsa/rows.cuh), its
 // NUM_STAGES stages holding NUM_STAGES / 2 pairs in flight.
-// ORDER (the single pass): CTA i takes the slot pass's row order[i / Hkv]; false, row i / Hkv
-// (the slot pass then writes no order: qsa_decode_short).
+// ORDER (the single pass, and a cluster after the slot pass): CTA i (a cluster: blockIdx.x i)
+// takes the slot pass's row order[i / Hkv], longest first, so the grid's CTAs start in
+// decreasing length as earlier ones finish; false, row i / Hkv (the slot pass then writes no
+// order: qsa_decode_short, the clusters that resolve their own slots).
 template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP, bool BULK,
           bool TMMA, bool LEAN, bool PAIR = false, bool ORDER = true>
 __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
@@ -61,6 +63,7 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   static_assert(SLOT_CAP == 0 || CLUSTER > 0, "in-kernel slots: clusters only");
   static_assert(!TMMA || GROUP <= 8, "tokens as MMA rows: the heads fill 8 columns");
   static_assert(!PAIR || (!BULK && !TMMA && !LEAN && NUM_STAGES % 2 == 0 && NUM_STAGES >= 4), "pairs");
+  static_assert(!ORDER || SLOT_CAP == 0, "the row order comes with the slot pass");
   constexpr bool SINGLE = CLUSTER == 0;
   constexpr int NS = SINGLE ? 1 : CLUSTER;  // splits of a (row, kv head)
   constexpr int NG = HEAD_DIM / 64;       // 64-dim groups of a K row: one 16-B piece per quad lane
@@ -117,7 +120,7 @@ __device__ __forceinline__ void decode_body(FIJ_QSA_DECODE_PARAMS) {
   const int pair_row = blockIdx.x / num_kv_heads;
   const int kvh = blockIdx.x - pair_row * num_kv_heads;
   int row = pair_row;  // the single pass: CTA i takes row order[i / Hkv] of the slot pass
-  if constexpr (SINGLE && ORDER)
+  if constexpr (ORDER)
     row = __ldg(slots + row_order_offset(gridDim.x / num_kv_heads, slot_columns) + pair_row);
   const int split = SINGLE ? 0 : blockIdx.y;
   const long long head0 = (long long)kvh * GROUP;  // first query head of the kv head

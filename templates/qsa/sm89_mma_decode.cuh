@@ -62,12 +62,13 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_CTAS) qsa_decode_short(FIJ
 // (grid.y = CLUSTER), merged through distributed shared memory; SLOT_CAP > 0 also resolves
 // the slots in the kernel, so a call is this one launch.
 // PAIR: its warps step two chunks at a time (one-wave grids: few chunks a warp).
+// ORDER (after the slot pass): the clusters take the rows longest first, as the single pass.
 template <int GROUP, int HEAD_DIM, int NUM_WARPS, int NUM_STAGES, int MIN_CTAS, int CLUSTER, int SLOT_CAP, bool BULK,
-          bool PAIR>
+          bool PAIR, bool ORDER>
 __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__(NUM_WARPS * 32, MIN_CTAS)
     qsa_decode_cluster(FIJ_QSA_DECODE_PARAMS) {
   static_assert(CLUSTER >= 2 && CLUSTER <= 8, "portable cluster sizes");
-  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, CLUSTER, SLOT_CAP, BULK, false, false, PAIR>(
+  decode_body<GROUP, HEAD_DIM, NUM_WARPS, NUM_STAGES, MIN_CTAS, CLUSTER, SLOT_CAP, BULK, false, false, PAIR, ORDER>(
       FIJ_QSA_DECODE_ARGS);
 }
 
