@@ -14,6 +14,7 @@ import torch
 
 from flashinfer_jit import qsa
 from flashinfer_jit.qsa import kernels as qk
+from flashinfer_jit.qsa import warmup as qsa_warmup
 from flashinfer_jit.qsa.op import run_kernels
 from flashinfer_jit.qsa.plan import QsaOptions, Variant, launch_choice
 
@@ -51,6 +52,20 @@ def test_the_variant_and_its_refusals():
         launch_choice(Variant(2, fused=True, order=True), *args)
     with pytest.raises(ValueError, match="order=False applies to the short single pass"):
         launch_choice(Variant(1, order=False), *args)
+
+
+def test_prebuild_builds_the_ordered_split_for_sm90a_only():
+    """The ordered 2-split (cp.async and bulk at head_dim 128) is prebuilt where ordered_split
+    takes it; the other clusters for every arch."""
+    specs = [s for s in qsa_warmup.all_specs(16, 128, 64, 1) if s.family == "qsa_decode_cluster"]
+    ordered = [s for s in specs if s.param_dict["order"]]
+    assert len(ordered) == 2 and {s.param_dict["cluster"] for s in ordered} == {2}
+    for spec in ordered:
+        assert qsa.OP.prebuilt_on(spec, "sm_90a")
+        assert not any(qsa.OP.prebuilt_on(spec, a) for a in ("sm_100a", "sm_103a", "sm_107a"))
+    assert all(qsa.OP.prebuilt_on(s, "sm_100a") for s in specs if not s.param_dict["order"])
+    assert not any(s.param_dict["order"] for s in qsa_warmup.all_specs(16, 64, 64, 1)
+                   if s.family == "qsa_decode_cluster")  # fmt: skip
 
 
 # -- GPU -------------------------------------------------------------------------------------

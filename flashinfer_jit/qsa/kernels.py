@@ -43,6 +43,8 @@ from jit_kernels import (
     PTR,
     U32,
     KernelFamily,
+    KernelSpec,
+    arch_capability,
     shipped_smem_per_block,
 )
 
@@ -194,6 +196,13 @@ def ordered_split(cap: tuple[int, int], pairs: int, splits: int, head_dim: int) 
     order lets the later clusters fill in behind the long rows. H200 (session 30, 9 geometries
     x 512-768 pairs, topk 2048-4096): 3-10 % faster than the 2-split in index order."""
     return cap == (9, 0) and splits == 2 and head_dim == 128 and pairs >= DECODE_MIN_PROGRAMS_SM90
+
+
+def ordered_prebuilt_on(spec: KernelSpec, arch: str) -> bool:
+    """Whether prebuild builds ``spec`` for ``arch``: a cluster in row order only where
+    ordered_split takes it (sm_90a); every other kernel, yes."""
+    ordered = spec.family == cluster_family.family and spec.param_dict["order"]
+    return not ordered or arch_capability(arch) == (9, 0)
 
 
 def split_count(

@@ -21,6 +21,7 @@ from jit_kernels import KernelSpec
 from .._jit import cuda_device_index
 from ..contract import Op, ScalarArg, TensorArg
 from .checks import WORKLOAD_FIELDS, check_args, kernel_refusal
+from .kernels import ordered_prebuilt_on
 from .launch import DecodeLaunch
 from .plan import (
     QsaOptions,
@@ -84,7 +85,8 @@ class Qsa(Op[DecodeLaunch, QsaOptions]):
         return prebuild_specs(workloads, options)
 
     def prebuilt_on(self, spec: KernelSpec, arch: str) -> bool:
-        return short_prebuilt_on(spec, arch)
+        # the short single pass and the ordered 2-split where the dispatcher takes them
+        return short_prebuilt_on(spec, arch) and ordered_prebuilt_on(spec, arch)
 
 
 OP = Qsa()
