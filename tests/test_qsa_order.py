@@ -28,15 +28,17 @@ SM90 = (9, 0)
 # -- CPU -------------------------------------------------------------------------------------
 def test_the_rule():
     """From topk 2048 at head_dim 128 (4096 at any) sm_90 splits up to 832 pairs, in row
-    order from 512 (2-splits of head_dim 128 only); other archs: the seed's crossover."""
+    order from 384 (2-splits of head_dim 128 only); other archs: the seed's crossover."""
     assert qk.decode_min_programs(SM90, 2048, 128) == qk.DECODE_MIN_PROGRAMS_SM90_LONG == 832
     assert qk.decode_min_programs(SM90, 2047, 128) == qk.decode_min_programs(SM90, 2048, 64) == 512
     assert qk.decode_min_programs(SM90, 4096, 64) == 832
     assert qk.decode_min_programs((10, 0), 2048, 128) == qk.DECODE_MIN_PROGRAMS
-    assert qk.ordered_split(SM90, 512, 2, 128) and qk.ordered_split(SM90, 831, 2, 128)
-    assert not qk.ordered_split(SM90, 511, 2, 128)  # one wave of 2-CTA clusters or less
-    assert not qk.ordered_split(SM90, 640, 4, 128) and not qk.ordered_split(SM90, 640, 2, 64)
-    assert not qk.ordered_split((10, 0), 640, 2, 128)
+    assert qk.ordered_split(SM90, 384, 2, 128, 2048) and qk.ordered_split(SM90, 831, 2, 128, 4096)
+    assert not qk.ordered_split(SM90, 383, 2, 128, 2048)  # about one wave of 2-CTA clusters
+    assert not qk.ordered_split(SM90, 640, 2, 128, 2047)  # short selections: not measured
+    assert not qk.ordered_split(SM90, 640, 4, 128, 4096)
+    assert not qk.ordered_split(SM90, 640, 2, 64, 4096)
+    assert not qk.ordered_split((10, 0), 640, 2, 128, 4096)
 
 
 def test_the_variant_and_its_refusals():
@@ -99,12 +101,12 @@ def test_gpu_cluster_row_order_over_waves(splits):
 @pytest.mark.parametrize(
     "rows, topk, splits, order",
     [(80, 4096, 2, True), (104, 4096, 1, False), (80, 2048, 2, True), (104, 2048, 1, False),
-     (60, 2048, 2, False), (80, 1024, 1, False)],
+     (56, 2048, 2, True), (40, 4096, 2, False), (80, 1024, 1, False)],
 )  # fmt: skip
 def test_gpu_long_selections_split_past_a_wave(request, rows, topk, splits, order):
     """Hkv 8 at head_dim 128 (sm_90): from topk 2048 the 2-split below 832 pairs, in row
-    order from 512 (640 pairs here; 480 unordered), the single pass from 832 and below topk
-    2048 from 512."""
+    order from 384 (448 and 640 pairs here; 320 in index order), the single pass from 832, and
+    below topk 2048 from 512."""
     from jit_kernels import capability
 
     if capability(0) != SM90:

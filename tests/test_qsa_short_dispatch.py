@@ -182,11 +182,11 @@ def test_the_gpu_tests_recorder_wraps_the_op_as_called(planned):
 
 @pytest.mark.usefixtures("qsa_stub")
 @pytest.mark.parametrize("rows, topk, splits", [(207, 4096, 2), (208, 4096, 1), (160, 2048, 2),
-                                                (208, 2048, 1), (127, 2048, 2), (160, 8192, 2),
-                                                (160, 1024, 1)])  # fmt: skip
+                                                (208, 2048, 1), (127, 2048, 2), (95, 2048, 2),
+                                                (160, 8192, 2), (160, 1024, 1)])  # fmt: skip
 def test_long_selections_split_past_a_wave(monkeypatch, rows, topk, splits):
     """Hkv 4, head_dim 128 at topk >= 2048: the 2-split up to 832 pairs, in the slot pass's
-    row order from 512, then the single pass (512 below topk 2048); warm-up lists what the
+    row order from 384, then the single pass (512 below topk 2048); warm-up lists what the
     call launches and prebuild holds it."""
     seen = _planned(monkeypatch)
     _call(QsaOptions(short=False), True, rows=rows, hq=64, hkv=4, d=128, page=64, topk=topk)
@@ -196,7 +196,7 @@ def test_long_selections_split_past_a_wave(monkeypatch, rows, topk, splits):
     else:
         cluster = qk.cluster_family.spec(families["qsa_decode_cluster"]).param_dict
         assert cluster["cluster"] == splits and "qsa_decode_form" not in families
-        assert cluster["order"] == (rows * 4 >= 512)
+        assert cluster["order"] == (rows * 4 >= qk.ORDERED_SPLIT_MIN_PAIRS_SM90)
         assert (
             families.get("qsa_slots", (64, False))[1] == cluster["order"]
         )  # the slot pass's ORDER
@@ -274,7 +274,10 @@ def test_prebuild_adds_the_short_kernels_on_sm_90a_only():
     for spec in short:
         assert [a for a in archs if qsa.OP.prebuilt_on(spec, a)] == ["sm_90a"]
     others = [s for s in specs if s.family != "qsa_decode_short"]
-    assert all(qsa.OP.prebuilt_on(s, "sm_100a") for s in others)
+    # the ordered 2-split, like the short pass, for sm_90a only (tests/test_qsa_order.py)
+    ordered = [s for s in others if s.family == "qsa_decode_cluster" and s.param_dict["order"]]
+    assert ordered and not any(qsa.OP.prebuilt_on(s, "sm_100a") for s in ordered)
+    assert all(qsa.OP.prebuilt_on(s, "sm_100a") for s in others if s not in ordered)
     never = qsa.OP.prebuild_specs(workloads, QsaOptions(short=False))
     assert sorted(map(str, never)) == sorted(map(str, others))
 

@@ -93,9 +93,10 @@ EXTRA = (Point(2048, 32, 4, 1024), Point(256, 32, 8, 4096))
 # between the grid's 1024, 2048 and 4096 pairs, at round 10's short and long selections.
 SHORT_EDGE_PAIRS = (1536, 2112, 3072)
 SHORT_EDGE_HEADS = ((16, 1, 256), (64, 4, 512), (128, 8, 2048))  # (Hq, Hkv, topk)
-# Past the single pass's gate (512 pairs) at long selections, where a 2-split read level
-# with or ahead of it at 512 pairs (session 29): where the crossover lies.
-GATE_EDGE_PAIRS, GATE_EDGE_TOPKS = (576, 640, 704, 768, 896), (2048, 4096)
+# Each side of the single pass's gate (512 pairs) at long selections, where a 2-split read
+# level with or ahead of it at 512 pairs (session 29): where the crossover and the ordered
+# 2-split's zone lie.
+GATE_EDGE_PAIRS, GATE_EDGE_TOPKS = (384, 448, 576, 640, 704, 768, 896), (2048, 4096)
 
 
 def grid() -> list[Point]:

@@ -98,6 +98,7 @@ CLUSTER_SLOT_CAP = 1024
 DECODE_MIN_PROGRAMS, DECODE_MIN_PROGRAMS_SM90, DECODE_MIN_PROGRAMS_SM90_LONG = 2048, 512, 832
 LONG_TOPK_SM90 = 4096  # selections from which sm_90's crossover is the LONG one (see below)
 LONG_TOPK_SM90_D128 = 2048  # the same at head_dim 128, with the 2-split in row order
+ORDERED_SPLIT_MIN_PAIRS_SM90 = 384  # rows x Hkv from which that 2-split is ordered (measured)
 _SPLIT_TABLE = ((2048, 8, 32), (4096, 16, 128), (None, 64, 128))  # (TOPK up to, 8 to, 4 to)
 _MIN_CHUNKS_PER_SPLIT = 8
 # A selection of at most 16 chunks (topk <= 256) over at most 16 (row, kv head) pairs still
@@ -189,13 +190,20 @@ def decode_min_programs(cap: tuple[int, int], topk: int = 0, head_dim: int = 0) 
     return DECODE_MIN_PROGRAMS_SM90_LONG if long else DECODE_MIN_PROGRAMS_SM90
 
 
-def ordered_split(cap: tuple[int, int], pairs: int, splits: int, head_dim: int) -> bool:
+def ordered_split(cap: tuple[int, int], pairs: int, splits: int, head_dim: int, topk: int) -> bool:
     """Whether a split launch takes the rows in the slot pass's order (longest first; after
-    the slot pass, no in-kernel slots): on sm_90 a 2-split of head_dim 128 past the single
-    pass's one-wave crossover, where its ~1000-1700 CTAs run in two to three waves and the
-    order lets the later clusters fill in behind the long rows. H200 (session 30, 9 geometries
-    x 512-768 pairs, topk 2048-4096): 3-10 % faster than the 2-split in index order."""
-    return cap == (9, 0) and splits == 2 and head_dim == 128 and pairs >= DECODE_MIN_PROGRAMS_SM90
+    the slot pass, no in-kernel slots): on sm_90 a 2-split of head_dim 128 from topk 2048
+    past one wave of 2-CTA clusters (264 on the H200), where the order lets the later
+    clusters fill in behind the long rows. H200 (session 30, graph µs, 3 geometries x 384-768
+    pairs x topk 2048 / 4096): 0.86-0.97 of the 2-split in index order at topk 4096, 0.93-1.00
+    at 2048; at 256 pairs (one wave) 1.00-1.07; topk 256-512 not measured past one wave."""
+    return (
+        cap == (9, 0)
+        and splits == 2
+        and head_dim == 128
+        and topk >= LONG_TOPK_SM90_D128
+        and pairs >= ORDERED_SPLIT_MIN_PAIRS_SM90
+    )
 
 
 def ordered_prebuilt_on(spec: KernelSpec, arch: str) -> bool:

@@ -366,7 +366,7 @@ def dispatch_split(
         return Variant()
     sms, clusters = call.sms, wave_clusters(device)
     splits, config, pair = launch_split(rows, num_kv_heads, topk, head_dim, sms, clusters, least)
-    if ordered_split(cap, rows * num_kv_heads, splits, head_dim):
+    if ordered_split(cap, rows * num_kv_heads, splits, head_dim, topk):
         return Variant(splits, False, config, None, pair, order=True)
     return Variant(splits, None, config, None, pair)
 

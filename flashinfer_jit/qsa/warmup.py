@@ -155,10 +155,12 @@ def dispatch_plans(
         )
         if splits == 1:
             continue
-        order = cap is not None and ordered_split(cap, rows * num_kv_heads, splits, head_dim)
+        pairs = rows * num_kv_heads
+        order = cap is not None and ordered_split(cap, pairs, splits, head_dim, topk)
         fused = fused_fits(topk, splits) and not order
-        grid = rows * num_kv_heads * splits
-        bulk, config, pair = gather_choice(head_dim, splits, grid, sms, bulk_ok, None, config, pair)
+        bulk, config, pair = gather_choice(
+            head_dim, splits, pairs * splits, sms, bulk_ok, None, config, pair
+        )
         if not fused:
             plans.append(slot_plan(page_size, order, entries))
         plans.append(
