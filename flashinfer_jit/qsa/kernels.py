@@ -195,7 +195,7 @@ def ordered_split(cap: tuple[int, int], pairs: int, splits: int, head_dim: int, 
     the slot pass, no in-kernel slots): on sm_90 a 2-split of head_dim 128 from topk 2048
     past one wave of 2-CTA clusters (264 on the H200), where the order lets the later
     clusters fill in behind the long rows. H200 (session 30, graph µs, 3 geometries x 384-768
-    pairs x topk 2048 / 4096): 0.86-0.97 of the 2-split in index order at topk 4096, 0.93-1.00
+    pairs x topk 2048 / 4096): 0.90-0.98 of the 2-split in index order at topk 4096, 0.93-1.01
     at 2048; at 256 pairs (one wave) 1.00-1.07; topk 256-512 not measured past one wave."""
     return (
         cap == (9, 0)
