@@ -181,7 +181,7 @@ def decode_min_programs(cap: tuple[int, int], topk: int = 0, head_dim: int = 0) 
     1024. Past one wave (528 CTAs) the single pass's last rows run in a part-empty second
     wave, and in one wave the call ends with its longest row (counts vary 2x): from topk 4096
     the 2-split 0.95-1.00 of it at 512-768 pairs, 1.05-1.07 at 896 (session 29); at head_dim
-    128 from topk 2048, the 2-split in the slot pass's row order (ordered_split) 0.87-0.98
+    128 from topk 2048, the 2-split in the slot pass's row order (ordered_split) 0.87-0.99
     at 512-768 pairs, 1.04-1.09 at 896 (session 30; head dims 64 / 256 at 512 pairs 1.07 /
     1.10: not there). Other archs: the seed's."""
     if cap != (9, 0):
