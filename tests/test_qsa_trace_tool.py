@@ -52,7 +52,7 @@ def test_gpu_traced_call_records_every_cta(tmp_path, monkeypatch, capsys):
     for module, name in tool.FAMILIES:
         monkeypatch.setattr(module, name, families[name])
     point = tool.grid.Point(8, 16, 1, 512)
-    tool.trace_point(point, "k1", families, seed=1)
+    tool.trace_point(point, "k1", families, seed=1, gib=0.5)
     trace = tool.read_trace(families)
     ran = trace[:, 12] > trace[:, 1]
     assert int(ran.sum()) == point.pairs  # the single pass: one CTA a (row, kv head)

@@ -124,7 +124,7 @@ def _spread(values: list[float]) -> str:
 
 
 def read_trace(families: dict[str, KernelFamily]) -> torch.Tensor:
-    """The trace buffer of the traced family that ran (the one with a loaded kernel)."""
+    """The trace buffer of the traced kernel loaded last (one decode kernel a point)."""
     from cuda.bindings import driver
 
     loaded = [k for f in families.values() for k in f._loaded.values()]
@@ -171,8 +171,11 @@ def report(tr: torch.Tensor, point: grid.Point, per_call: float) -> None:
     )
 
 
-def trace_point(point: grid.Point, variant: str, families: dict, seed: int) -> None:
-    sets = point_sets(point, 1.0, seed)
+def trace_point(
+    point: grid.Point, variant: str, families: dict, seed: int, gib: float = 6.0
+) -> None:
+    """Trace one graph of calls over the point's sets (a ``gib`` GiB pool, the sweep's)."""
+    sets = point_sets(point, gib, seed)
     run = lambda a: run_kernels(a, **VARIANTS[variant])  # noqa: E731
     graph = capture(run, sets)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -191,6 +194,7 @@ def main() -> None:
     parser.add_argument("--point", required=True, help="rows/Hq/Hkv/topk (page 64, D 128)")
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="k1")
     parser.add_argument("--runs", type=int, default=1, help="runs, each with new inputs")
+    parser.add_argument("--gib", type=float, default=6.0, help="cache pool size (the sweep's)")
     args = parser.parse_args()
     rows, hq, hkv, topk = (int(v) for v in args.point.split("/"))
     point = grid.Point(rows, hq, hkv, topk)
@@ -199,7 +203,7 @@ def main() -> None:
         for module, name in FAMILIES:
             setattr(module, name, families[name])
         for seed in range(1, args.runs + 1):
-            trace_point(point, args.variant, families, seed)
+            trace_point(point, args.variant, families, seed, args.gib)
 
 
 if __name__ == "__main__":
