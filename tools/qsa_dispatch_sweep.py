@@ -23,6 +23,7 @@ from pathlib import Path
 import qsa_bench_grid as grid
 import torch
 from qsa_bench_util import (
+    TOL,
     capture,
     check,
     floor_us,
@@ -141,7 +142,7 @@ def measure(point: grid.Point, gib: float, seed_fn: Callable | None, index: int)
     labels = grid.timed_labels(p, sms, clusters)
     runs = {label: runner(variants[label]) for label, same in labels.items() if same == label}
     runs["disp"] = lambda a: qsa.qsa_sparse_paged_attention(*a)
-    tols = {label: 2e-2 for label in runs}
+    tols = {label: TOL for label in runs}  # the GPU tests' contract (qsa_bench_util.TOL)
     if seed_fn is not None:
         runs["triton"], tols["triton"] = (lambda a: seed_fn(*a)), SEED_TOL
     graphs = {label: captured(run, sets, expect, tols[label]) for label, run in runs.items()}

@@ -196,7 +196,7 @@ def ordered_split(cap: tuple[int, int], pairs: int, splits: int, head_dim: int, 
     past one wave of 2-CTA clusters (264 on the H200), where the order lets the later
     clusters fill in behind the long rows. H200 (session 30, graph µs, 3 geometries x 384-768
     pairs x topk 2048 / 4096): 0.90-0.98 of the 2-split in index order at topk 4096, 0.93-1.01
-    at 2048; at 256 pairs (one wave) 1.00-1.07; topk 256-512 not measured past one wave."""
+    at 2048; at 256 pairs (one wave) 0.98-1.06 at topk 2048-4096, 1.11-1.18 at topk 256-512."""
     return (
         cap == (9, 0)
         and splits == 2
