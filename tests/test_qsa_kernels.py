@@ -30,6 +30,7 @@ from .test_replay import FakeKernel, qsa_args, qsa_stub, stub  # noqa: F401 (fix
 
 SMS = 132  # H200
 H200 = qk.H200_WAVE_CLUSTERS.__getitem__  # its clusters (max_active_clusters)
+SINGLE = qk.Split(1)  # launch_split's answer at the crossover: the single pass
 
 
 def _launched(rows: int, hq: int, hkv: int, topk: int, combined: bool) -> tuple:
@@ -37,7 +38,7 @@ def _launched(rows: int, hq: int, hkv: int, topk: int, combined: bool) -> tuple:
     H200's SMs and clusters)."""
     splits, config, pair = 1, None, None
     if not qsa.use_fp8_decode_kernel(rows * hkv, torch.uint8):
-        splits, config, pair = qk.launch_split(rows, hkv, topk, 128, SMS, H200)
+        splits, config, pair, _ = qk.launch_split(rows, hkv, topk, 128, SMS, H200)
     cluster = splits if splits > 1 else 0
     grid = rows * hkv * splits
     return splits, *qk.gather_choice(128, cluster, grid, SMS, combined, None, config, pair)
@@ -78,7 +79,7 @@ def test_wave_split_rule():
     assert qk.wave_split(4, 128, 2048, lambda k: 0) == 0
     assert qk.wave_split(4, 128, 640, H200) == 5  # 40 chunks: 5 splits of 8
     assert qk.wave_split(4, 128, 0, H200) == 0
-    assert qk.launch_split(qk.DECODE_MIN_PROGRAMS, 1, 2048, 128, SMS, H200) == (1, None, None)
+    assert qk.launch_split(qk.DECODE_MIN_PROGRAMS, 1, 2048, 128, SMS, H200) == SINGLE
     assert qk.wave_smem_bytes(2) > 114 * 1024  # one CTA per SM, the rule's premise
     # topk 256 (16 chunks): 4 splits of 4 chunks for at most 16 pairs, else 2 of 8.
     assert [qk.wave_split(p, 128, 256, H200) for p in (1, 16, 17, 32, 66)] == [4, 4, 2, 2, 2]
@@ -92,7 +93,7 @@ def test_single_pass_crossover_per_arch():
     sm90 = qk.decode_min_programs((9, 0))
     assert sm90 == qk.DECODE_MIN_PROGRAMS_SM90 == 512
     assert qk.decode_min_programs((10, 0)) == qk.decode_min_programs((10, 3)) == 2048
-    assert qk.launch_split(128, 4, 2048, 128, SMS, H200, sm90) == (1, None, None)
+    assert qk.launch_split(128, 4, 2048, 128, SMS, H200, sm90) == SINGLE
     assert qk.launch_split(127, 4, 2048, 128, SMS, H200, sm90)[0] == 2
     assert qk.launch_split(128, 4, 2048, 128, SMS, H200)[0] == 2  # 2048 elsewhere
     assert qk.split_count(128, 4, 2048, sm90) == 1 and qk.split_count(127, 4, 2048, sm90) == 2
@@ -106,9 +107,9 @@ def test_single_pass_crossover_long_selections():
     assert qk.decode_min_programs((9, 0), qk.LONG_TOPK_SM90 - 1) == 512
     assert qk.decode_min_programs((9, 0), 8192) == 832
     assert qk.decode_min_programs((10, 0), 4096) == 2048
-    assert qk.launch_split(160, 4, 4096, 128, SMS, H200, long) == (2, None, None)  # 640 pairs
-    assert qk.launch_split(208, 4, 4096, 128, SMS, H200, long) == (1, None, None)  # 832
-    assert qk.launch_split(160, 4, 2048, 128, SMS, H200, 512) == (1, None, None)
+    assert qk.launch_split(160, 4, 4096, 128, SMS, H200, long) == (2, None, None, False)
+    assert qk.launch_split(208, 4, 4096, 128, SMS, H200, long) == SINGLE  # 832
+    assert qk.launch_split(160, 4, 2048, 128, SMS, H200, 512) == SINGLE
 
 
 @pytest.mark.parametrize("config, cluster, cap, bulk", [
@@ -179,7 +180,7 @@ def test_warmup_plans_are_what_the_dispatcher_launches(
     )
     for rows in range(1, -(-least // hkv) + 1):
         args = qsa_args(rows=rows, hq=hq, hkv=hkv, d=d, page=64, topk=topk, combined=combined)
-        splits, config, pair = qk.launch_split(rows, hkv, topk, d, SMS, clusters, least)
+        splits, config, pair, _ = qk.launch_split(rows, hkv, topk, d, SMS, clusters, least)
         decode_launch(tuple(args.values()), shipped, Variant(splits, None, config, None, pair))
     assert seen == set(plans)
     prebuilt = {s.label for s in qsa_warmup.all_specs(hq // hkv, d, 64, entries, *forms)}

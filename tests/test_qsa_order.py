@@ -39,6 +39,10 @@ def test_the_rule():
     assert not qk.ordered_split(SM90, 640, 4, 128, 4096)
     assert not qk.ordered_split(SM90, 640, 2, 64, 4096)
     assert not qk.ordered_split((10, 0), 640, 2, 128, 4096)
+    # launch_split carries the answer for the device it is given (none: no order)
+    split = (160, 4, 4096, 128, 132, qk.H200_WAVE_CLUSTERS.__getitem__, 832)  # 640 pairs
+    assert qk.launch_split(*split, SM90) == (2, None, None, True)
+    assert qk.launch_split(*split) == qk.launch_split(*split, (10, 0)) == (2, None, None, False)
 
 
 def test_the_variant_and_its_refusals():

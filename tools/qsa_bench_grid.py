@@ -167,7 +167,7 @@ def dispatch_variant(point: Point, sms: int, clusters: qk.Clusters) -> Variant:
 def split_variant(point: Point, sms: int, clusters: qk.Clusters) -> Variant:
     """What kernels.launch_split launches for ``point`` (the "split" column)."""
     args = (point.rows, point.hkv, point.topk, point.head_dim, sms, clusters)
-    splits, config, pair = qk.launch_split(*args)
+    splits, config, pair, _ = qk.launch_split(*args)
     return Variant(splits, None, config, None, pair)
 
 

@@ -22,19 +22,19 @@ Bulk copies fetch a token's K and V rows (256 bytes) at once, so they need D = 1
 right after K in memory with K's strides: the combined [blocks, Hkv, page, 2D] cache split
 as the seed's warm-up does. Other caches and head dims keep the cp.async gathers.
 
-Rounds 4-5 (their tables: docs/perf-log/qsa.md, "The split rule's sweeps") re-swept the
-clusters: fewer splits (split_count's table), two cp.async stages for clusters, bulk copies
-only for 2-CTA clusters over more than two waves of one CTA per SM; then wave_split, as many
-splits as keep every cluster resident at once with one CTA per SM (WAVE_CONFIG; a cluster
-stays within a GPC, so the H200 runs 66/39/30/22/17/15/15 clusters of 2..8, not 132/k),
-except where the split's grid is at most half a wave (CLUSTER_PAIR_CONFIG). Where a split's
-slots do not fit the in-kernel list, a wave split of at most WAVE_SLOT_PASS_SPLITS CTAs runs
-after the slot pass (WAVE_CONFIG); larger ones keep the table.
+Rounds 4-5 (docs/perf-log/qsa.md, "The split rule's sweeps") re-swept the clusters: fewer
+splits (split_count's table), two cp.async stages, bulk copies only for 2-CTA clusters over
+more than two waves of one CTA per SM; then wave_split, as many splits as keep every cluster
+resident at once with one CTA per SM (WAVE_CONFIG; a cluster stays within a GPC, so the H200
+runs 66/39/30/22/17/15/15 clusters of 2..8), CLUSTER_PAIR_CONFIG at most half a wave. Where
+a split's slots do not fit the in-kernel list, a wave split of at most
+WAVE_SLOT_PASS_SPLITS CTAs runs after the slot pass; larger ones keep the table.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from jit_kernels import (
     F32,
@@ -176,14 +176,12 @@ def decode_smem_bytes(
 
 def decode_min_programs(cap: tuple[int, int], topk: int = 0, head_dim: int = 0) -> int:
     """rows * Hkv from which the dispatcher takes the single pass on ``cap`` for selections
-    of ``topk`` at ``head_dim`` (0: any). H200 (bench_qsa.py --dispatch-sweep, graph µs): the
-    best split over the single pass 0.58-0.87 at 256 pairs, 0.99-1.25 at 512, 1.1-1.4 from
-    1024. Past one wave (528 CTAs) the single pass's last rows run in a part-empty second
-    wave, and in one wave the call ends with its longest row (counts vary 2x): from topk 4096
-    the 2-split 0.95-1.00 of it at 512-768 pairs, 1.05-1.07 at 896 (session 29); at head_dim
-    128 from topk 2048, the 2-split in the slot pass's row order (ordered_split) 0.87-0.99
-    at 512-768 pairs, 1.04-1.09 at 896 (session 30; head dims 64 / 256 at 512 pairs 1.07 /
-    1.10: not there). Other archs: the seed's."""
+    of ``topk`` at ``head_dim`` (0: any). H200 (graph µs): the best split over the single
+    pass 0.58-0.87 at 256 pairs, 0.99-1.25 at 512, 1.1-1.4 from 1024; at long selections the
+    single pass's one wave (528 CTAs) ends with its longest row: from topk 4096 the 2-split
+    0.95-1.00 of it at 512-768 pairs, 1.05-1.07 at 896 (session 29), and at head_dim 128
+    from topk 2048 the ordered 2-split 0.87-0.99, 1.04-1.09 at 896 (session 30; QSA rounds
+    19-20 in docs/perf-log/qsa.md). Other archs: the seed's."""
     if cap != (9, 0):
         return DECODE_MIN_PROGRAMS
     long = topk >= LONG_TOPK_SM90 or (head_dim == 128 and topk >= LONG_TOPK_SM90_D128)
@@ -230,10 +228,9 @@ def split_count(
 
 def table_pairs_unfused(cluster: int, sms: int) -> bool:
     """Whether split_count's table can launch ``cluster`` CTAs without in-kernel slots two
-    chunks a step (takes_pairs: a grid of at most half a wave) on ``sms`` SMs. Without the
-    slots TOPK exceeds CLUSTER_SLOT_CAP entries a split, so no split is halved for want of
-    chunks, and the fewest pairs the table gives ``cluster`` in a TOPK bucket past that
-    size make the smallest grid (the one-wave splits always resolve their slots)."""
+    chunks a step (takes_pairs: at most half a wave) on ``sms`` SMs: without the slots a
+    split exceeds CLUSTER_SLOT_CAP entries, so none is halved for want of chunks, and the
+    fewest pairs the table gives ``cluster`` past that size make the smallest grid."""
     for upto, eight, four in _SPLIT_TABLE:
         least = 1 if cluster == 8 else eight + 1 if cluster == 4 else four + 1
         if (upto is None or upto > CLUSTER_SLOT_CAP * cluster) and 2 * cluster * least <= sms:
@@ -249,8 +246,7 @@ def wave_smem_bytes(cluster: int) -> int:
 def wave_fits(pairs: int, topk: int, splits: int, clusters: Clusters) -> bool:
     """Whether ``splits`` CTAs per (row, kv head) qualify for the one-wave launch: the
     clusters of ``pairs`` pairs all run at once with one CTA per SM, and each split keeps
-    _MIN_CHUNKS_PER_SPLIT chunks (_MIN_CHUNKS_SHORT for the few pairs of a short
-    selection)."""
+    _MIN_CHUNKS_PER_SPLIT chunks (_MIN_CHUNKS_SHORT for a short selection's few pairs)."""
     chunks = -(-topk // CHUNK)
     short = chunks <= 16 and pairs <= 16
     least = _MIN_CHUNKS_SHORT if short else _MIN_CHUNKS_PER_SPLIT
@@ -267,6 +263,15 @@ def wave_split(pairs: int, head_dim: int, topk: int, clusters: Clusters) -> int:
     return k if k <= WAVE_SLOT_PASS_SPLITS or fused_fits(topk, k) else 0
 
 
+class Split(NamedTuple):
+    """launch_split's answer: CTAs a (row, kv head), config and pair (None: gather_choice's)."""
+
+    splits: int
+    config: Config | None = None
+    pair: bool | None = None
+    order: bool = False
+
+
 def launch_split(
     rows: int,
     num_kv_heads: int,
@@ -275,18 +280,20 @@ def launch_split(
     sms: int,
     clusters: Clusters,
     min_programs: int = DECODE_MIN_PROGRAMS,
-) -> tuple[int, Config | None, bool | None]:
-    """The dispatcher's (splits, config, pair) for a call it splits (below the single pass's
-    crossover): the one-wave split where there is one (CLUSTER_PAIR_CONFIG when its grid is
-    at most half a wave and it resolves its own slots, else WAVE_CONFIG, the only form
-    prebuilt after the slot pass; two chunks a step), else split_count's table with
-    gather_choice's rule (config and pair None)."""
+    cap: tuple[int, int] | None = None,
+) -> Split:
+    """The dispatcher's split below the single pass's crossover: the one-wave split where
+    there is one (CLUSTER_PAIR_CONFIG at most half a wave with its own slots, else
+    WAVE_CONFIG; two chunks a step), else split_count's table, in row order where
+    ordered_split says so on a device of ``cap`` (None: no order)."""
     pairs = max(1, rows * num_kv_heads)
     k = wave_split(pairs, head_dim, topk, clusters) if pairs < min_programs else 0
     if k:
         half = 2 * pairs * k <= sms and fused_fits(topk, k)
-        return k, CLUSTER_PAIR_CONFIG if half else WAVE_CONFIG, True
-    return split_count(rows, num_kv_heads, topk, min_programs), None, None
+        return Split(k, CLUSTER_PAIR_CONFIG if half else WAVE_CONFIG, True)
+    splits = split_count(rows, num_kv_heads, topk, min_programs)
+    order = cap is not None and ordered_split(cap, pairs, splits, head_dim, topk)
+    return Split(splits, order=order)
 
 
 def fused_fits(topk: int, num_splits: int) -> bool:

@@ -32,7 +32,6 @@ from .kernels import (
     fused_fits,
     gather_choice,
     launch_split,
-    ordered_split,
     slot_plan,
     wave_smem_bytes,
 )
@@ -365,10 +364,8 @@ def dispatch_split(
     if single:
         return Variant()
     sms, clusters = call.sms, wave_clusters(device)
-    splits, config, pair = launch_split(rows, num_kv_heads, topk, head_dim, sms, clusters, least)
-    if ordered_split(cap, rows * num_kv_heads, splits, head_dim, topk):
-        return Variant(splits, False, config, None, pair, order=True)
-    return Variant(splits, None, config, None, pair)
+    split = launch_split(rows, num_kv_heads, topk, head_dim, sms, clusters, least, cap)
+    return Variant(split.splits, None, split.config, None, split.pair, order=split.order or None)
 
 
 def single_pass_variant(

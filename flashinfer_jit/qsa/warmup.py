@@ -28,7 +28,6 @@ from .kernels import (
     fused_fits,
     gather_choice,
     launch_split,
-    ordered_split,
     pairs_apply,
     slot_plan,
     table_pairs_unfused,
@@ -150,13 +149,12 @@ def dispatch_plans(
     if not topk:
         return plans  # nothing to split: the single pass serves every row count
     for rows in range(1, -(-min_programs // num_kv_heads)):
-        splits, config, pair = launch_split(
-            rows, num_kv_heads, topk, head_dim, sms, clusters, min_programs
+        splits, config, pair, order = launch_split(
+            rows, num_kv_heads, topk, head_dim, sms, clusters, min_programs, cap
         )
         if splits == 1:
             continue
         pairs = rows * num_kv_heads
-        order = cap is not None and ordered_split(cap, pairs, splits, head_dim, topk)
         fused = fused_fits(topk, splits) and not order
         bulk, config, pair = gather_choice(
             head_dim, splits, pairs * splits, sms, bulk_ok, None, config, pair
