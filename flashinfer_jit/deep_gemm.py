@@ -20,13 +20,13 @@ import re
 
 import torch
 
-from jit_kernels import sm_count, validate_inputs
+from jit_kernels import sm_count, validate_values
 
 from ._jit import cuda_device_index
 from .contract import Op, ScalarArg, TensorArg
 from .mqa_logits import OP as MQA
 from .mqa_logits import MqaLogitsOptions, compute_paged_mqa_logits_schedule
-from .mqa_logits.checks import BLOCK_SIZES
+from .mqa_logits.checks import BLOCK_SIZES, validate_preconditions
 from .mqa_logits.clean import clean_logits as write_clean
 from .mqa_logits.launch import Launch
 from .mqa_logits.plan import launch_for
@@ -151,7 +151,7 @@ def _schedule(schedule_meta, q) -> torch.Tensor | None:
 
 
 def _check_lens_order(context_lens: torch.Tensor) -> None:
-    """FLASHINFER_VALIDATE_INPUTS=1: the newest slot's length must be the largest (syncs)."""
+    """The newest slot's length must be the largest (validate_values; syncs on a GPU)."""
     if context_lens.dim() != 2 or context_lens.numel() == 0:
         return
     if context_lens.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -233,10 +233,13 @@ class DeepGemmLogits(Op[DeepGemmLaunch, MqaLogitsOptions]):
         if args[10] is not None:
             raise NotImplementedError(_NO_VARLEN)
         native = self.native(args)
-        if validate_inputs():
-            _check_lens_order(args[3])
         try:
             native = MQA.prepare(native)
+            if validate_values(args[3].device):
+                _check_lens_order(args[3])
+                if native[1] is not args[1]:  # gathered: the caller's table, not the copy's
+                    lens, block_kv = native[4], args[1].shape[1]
+                    validate_preconditions(args[1], args[4], lens, args[6], block_kv)
         except (ValueError, TypeError) as exc:  # name the arguments as this API calls them
             raise type(exc)(_RENAMES.sub(lambda m: _NAMES[m.group(0)], str(exc))) from exc
         # The gathered pool and table (or the caller's) and the allocated logits.

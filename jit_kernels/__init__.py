@@ -27,7 +27,13 @@ from .cache import (
     prebuilt_roots,
 )
 from .compile import CompiledKernel, CompileError, compile_cubin, nvrtc_version
-from .dispatch import FallbackError, fall_back, kernels_disabled, validate_inputs
+from .dispatch import (
+    FallbackError,
+    fall_back,
+    kernels_disabled,
+    validate_inputs,
+    validate_values,
+)
 from .family import KernelFamily, KernelUnavailable, prepare
 from .launch import ArgPacker, LaunchError, LoadedKernel, current_stream
 from .occupancy import max_active_clusters
@@ -81,4 +87,5 @@ __all__ = [
     "smem_per_block",
     "target_archs",
     "validate_inputs",
+    "validate_values",
 ]

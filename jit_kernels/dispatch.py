@@ -4,13 +4,16 @@ The switches are read at call time so a serving process can flip them without a 
 
 - ``FLASHINFER_SPECIALIZED_KERNEL_DISABLE=1``: every op takes its torch path.
 - ``FLASHINFER_JIT_STRICT=1``: falling back from a kernel raises instead of logging.
-- ``FLASHINFER_VALIDATE_INPUTS=1``: ops check device-side preconditions (syncs).
+- ``FLASHINFER_VALIDATE_INPUTS=1``: ops check device-side preconditions (syncs); on
+  CPU tensors, where reading them costs no sync, they always do (``validate_values``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+
+import torch
 
 log = logging.getLogger("flashinfer_jit")
 
@@ -31,6 +34,13 @@ def kernels_disabled() -> bool:
 
 def validate_inputs() -> bool:
     return os.environ.get(VALIDATE_ENV) == "1"
+
+
+def validate_values(device: torch.device) -> bool:
+    """Whether an op checks the values of its inputs on ``device`` (lengths, table entries):
+    always off the GPU, where reading them costs no sync and the torch path would otherwise
+    index with them as given; on a GPU under FLASHINFER_VALIDATE_INPUTS=1."""
+    return device.type != "cuda" or validate_inputs()
 
 
 def fall_back(op: str, reason: str) -> None:

@@ -17,9 +17,10 @@ MAX_HEADS, MAX_TOKENS = 128, 131072
 def _check_kv_nope(kv_nope, nope_dim: int) -> None:
     if not isinstance(kv_nope, torch.Tensor) or kv_nope.dim() != 3:
         raise ValueError("kv_nope must be a 3-D tensor [num_tokens, num_heads, nope_dim + v_dim]")
-    if not kv_nope.dtype.is_floating_point or kv_nope.dtype == torch.float8_e4m3fn:
+    if not kv_nope.dtype.is_floating_point or kv_nope.dtype.itemsize < 2:  # no fp8 inputs
         raise TypeError(
-            f"kv_nope must be a floating tensor (bf16 for the fused paths), got {kv_nope.dtype}"
+            "kv_nope must be a floating tensor of 16 bits or more (bf16 for the fused paths), got "
+            f"{kv_nope.dtype}"
         )
     width = kv_nope.shape[2]
     if not 0 < nope_dim < width:

@@ -296,15 +296,15 @@ def check_out(out, rows: int, cols: int, output_dtype, device) -> None:
 
 def check_schedule(schedule, device) -> None:
     num_sms = sm_count(cuda_device_index(schedule)) if device.type == "cuda" else None
+    want = "[num_sms+1, 2]" + (f" = [{num_sms}+1, 2]" if num_sms is not None else "")
+    got = tuple(schedule.shape) if isinstance(schedule, torch.Tensor) else type(schedule).__name__
     _need(
         isinstance(schedule, torch.Tensor)
         and schedule.dim() == 2
         and schedule.shape[1] == 2
         and (num_sms is None or schedule.shape[0] == num_sms + 1),
         ValueError,
-        lambda: (
-            f"schedule_meta must be [num_sms+1, 2] = [{num_sms}+1, 2] (compute_paged_mqa_logits_schedule)"
-        ),
+        lambda: f"schedule_meta must be {want} (compute_paged_mqa_logits_schedule), got {got}",
     )
     _need(
         schedule.dtype == torch.int32 and schedule.is_contiguous(),
@@ -321,7 +321,8 @@ def check_schedule(schedule, device) -> None:
 def validate_preconditions(
     kv_fused, block_tables, seq_lens, max_seq_len: int, block_size: int
 ) -> None:
-    """FLASHINFER_VALIDATE_INPUTS=1: the caller's preconditions (syncs; skipped in capture)."""
+    """The caller's preconditions (jit_kernels.validate_values: CPU tensors, and on a GPU
+    under FLASHINFER_VALIDATE_INPUTS=1, where it syncs; skipped in capture)."""
     if seq_lens.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return
     lens = seq_lens.to("cpu", torch.int64)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from jit_kernels import KernelSpec, capability, validate_inputs
+from jit_kernels import KernelSpec, capability, validate_values
 from jit_kernels.args import require_no_overlap
 
 from .._jit import cuda_device_index
@@ -69,7 +69,7 @@ class MqaLogits(Op[Launch, MqaLogitsOptions]):
             out = torch.empty(rows, cols, dtype=output_dtype, device=q.device)
         if schedule_meta is not None:
             check_schedule(schedule_meta, q.device)
-        if validate_inputs():
+        if validate_values(q.device):
             validate_preconditions(kv_fused, block_tables, seq_lens, max_seq_len, block_size)
         return (*args[:10], out, args[11])
 
