@@ -2,8 +2,15 @@
 
 A serving engine that calls ``deep_gemm.fp8_paged_mqa_logits`` switches with one line,
 ``import flashinfer_jit.deep_gemm as deep_gemm``: the names, argument order, defaults and
-semantics below are DeepGEMM's. Everything lands on ``mqa_logits.paged_logits`` (the
-kernels of ``fp8_paged_mqa_logits``) with float32 epilogue and accumulator.
+semantics below are DeepGEMM's, and every other name (its GEMMs, ``fp8_mqa_logits``,
+``get_num_sms`` / ``set_num_sms``) is the installed deep_gemm's (``__getattr__``).
+Everything lands on ``mqa_logits.paged_logits`` (the kernels of ``fp8_paged_mqa_logits``)
+with float32 epilogue and accumulator.
+
+``schedule_meta`` is accepted and not read: the kernels split the work themselves (as fast
+as with a given split: MQA round 21), and a caller's schedule may be DeepGEMM's own, whose
+rows mean other things in the same [num_sms + 1, 2] int32 shape (an engine that swapped the
+import in one file and builds its metadata with deep_gemm in another).
 
 Lengths: ``context_lens`` [B] (row b*next_n + t sees positions <= context_lens[b] - next_n + t)
 or [B, next_n] (row b*next_n + t sees positions < context_lens[b, t]). Both reach the kernels
@@ -17,24 +24,23 @@ values are unspecified, as in DeepGEMM, unless ``clean_logits`` writes -inf ther
 from __future__ import annotations
 
 import re
+import sys
 
 import torch
 
 from jit_kernels import sm_count, validate_values
 
-from ._jit import cuda_device_index
 from .contract import Op, ScalarArg, TensorArg
 from .mqa_logits import OP as MQA
 from .mqa_logits import MqaLogitsOptions, compute_paged_mqa_logits_schedule
-from .mqa_logits.checks import BLOCK_SIZES, validate_preconditions
+from .mqa_logits.checks import BLOCK_SIZES, min_block_table_width, validate_preconditions
 from .mqa_logits.clean import clean_logits as write_clean
 from .mqa_logits.launch import Launch
 from .mqa_logits.plan import launch_for
 
-__all__ = [
+__all__ = [  # what this module serves (README: replacing them in an imported deep_gemm)
     "fp8_fp4_paged_mqa_logits",
     "fp8_paged_mqa_logits",
-    "get_num_sms",
     "get_paged_mqa_logits_metadata",
 ]
 LOGITS_DTYPES = (torch.float32, torch.bfloat16)
@@ -59,11 +65,33 @@ _NAMES = {
 _RENAMES = re.compile(r"\b(" + "|".join(_NAMES) + r")\b")
 
 
-def get_num_sms() -> int:
-    """The current CUDA device's SM count (the size of the schedule), 1 without CUDA."""
+def _device_sms() -> int:
+    """The current CUDA device's SM count (a schedule's size), 1 without CUDA."""
     if not torch.cuda.is_available():
         return 1
     return sm_count(torch.cuda.current_device())
+
+
+def __getattr__(name: str) -> object:
+    """DeepGEMM's other names, from the installed deep_gemm (so that importing this module
+    in its place is one line); without it, ``get_num_sms`` is the device's SM count."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    try:
+        import deep_gemm
+    except ImportError:
+        deep_gemm = None
+    if deep_gemm is sys.modules[__name__]:  # this module installed under that name
+        deep_gemm = None
+    if deep_gemm is not None and hasattr(deep_gemm, name):
+        return getattr(deep_gemm, name)
+    if name == "get_num_sms":
+        return _device_sms
+    where = "not installed" if deep_gemm is None else "has no such name either"
+    raise AttributeError(
+        f"module {__name__!r} has no attribute {name!r}: it serves DeepGEMM's paged MQA "
+        f"logits ({', '.join(__all__)}), other names come from deep_gemm ({where})"
+    )
 
 
 def _request_lens(context_lens: torch.Tensor, batch: int | None) -> tuple[torch.Tensor, int]:
@@ -87,8 +115,9 @@ def get_paged_mqa_logits_metadata(
     num_sms: int,
     indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The schedule to pass back as ``schedule_meta``: [num_sms + 1, 2] int32 (this package's
-    split of the requests' 64-token tiles; reuse it only while ``context_lens`` is unchanged)."""
+    """A ``schedule_meta`` of DeepGEMM's shape, [num_sms + 1, 2] int32: this package's split
+    of the requests' 64-token tiles (what ``mqa_logits.fp8_paged_mqa_logits`` can be given;
+    this module's logits functions accept it and split the work themselves)."""
     if indices is not None:
         raise NotImplementedError(_NO_VARLEN)
     if block_kv not in BLOCK_SIZES:
@@ -105,10 +134,10 @@ def _split_q(q) -> torch.Tensor:
     return q[0]
 
 
-def _dense_pool(kv_cache, block_table, q) -> tuple[torch.Tensor, torch.Tensor]:
+def _dense_pool(kv_cache, block_table, q, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(pool, table) the kernels can read: a pool with DeepGEMM's block layout and a block
     stride other than block_kv * (head_dim + 4) bytes is gathered, block by block the table
-    names, into a dense pool (a copy; the kernels read a dense pool)."""
+    names up to ``max_len`` tokens, into a dense pool (a copy; the kernels read a dense pool)."""
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or kv_cache.is_contiguous():
         return kv_cache, block_table  # the checks of paged_logits name what is wrong
     _, block_kv, heads, width = kv_cache.shape
@@ -124,7 +153,11 @@ def _dense_pool(kv_cache, block_table, q) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"kv_cache blocks overlap: stride(0) = {kv_cache.stride(0)}")
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
         return kv_cache, block_table
-    # Entries past a request's own blocks may hold anything: clamp them into the pool.
+    # A table is as wide as the longest context the engine allows (vLLM: max_model_len /
+    # block_kv columns): gather only the columns max_len reaches, as many as the kernels'
+    # table must hold. Entries past a request's own blocks may hold anything: clamp them.
+    if isinstance(max_len, int) and max_len >= 0:
+        block_table = block_table[:, : min_block_table_width(max_len, block_kv)]
     ids = block_table.long().clamp(0, kv_cache.shape[0] - 1).flatten()
     pool = kv_cache.index_select(0, ids)  # DeepGEMM's layout, dense
     pool.fij_gathered = True  # a copy made for this call: its launch is never replayed
@@ -132,22 +165,10 @@ def _dense_pool(kv_cache, block_table, q) -> tuple[torch.Tensor, torch.Tensor]:
     return pool, table.view(block_table.shape)
 
 
-def _schedule(schedule_meta, q) -> torch.Tensor | None:
-    """``schedule_meta`` when it is this device's schedule; None (the kernels derive the
-    same split themselves) when the caller sized it for another SM count or passed None."""
-    if schedule_meta is None:
-        return None
-    if not isinstance(schedule_meta, torch.Tensor):
+def _check_schedule(schedule_meta) -> None:
+    """A given ``schedule_meta`` must be a tensor; it is not read (the module docstring)."""
+    if schedule_meta is not None and not isinstance(schedule_meta, torch.Tensor):
         raise TypeError("schedule_meta must be the tensor get_paged_mqa_logits_metadata returns")
-    if (
-        not isinstance(q, torch.Tensor)
-        or q.device.type != "cuda"
-        or schedule_meta.device != q.device
-    ):
-        return schedule_meta  # the checks of paged_logits name a wrong device
-    if schedule_meta.dim() == 2 and schedule_meta.shape[0] != sm_count(cuda_device_index(q)) + 1:
-        return None
-    return schedule_meta
 
 
 def _check_lens_order(context_lens: torch.Tensor) -> None:
@@ -168,12 +189,13 @@ class DeepGemmLaunch:
     place: ``context_lens`` itself, or the newest slot's column of 2-D lengths (the
     ``Launch``'s lens_offset, (next_n - 1) * stride(1) ints on, at the lengths' row stride:
     what a ``select`` view would hold, without making one per call); then ``clean_logits``
-    when asked. ``indices`` is always None here (prepare refuses it)."""
+    when asked. ``indices`` is always None here (prepare refuses it), ``schedule_meta``
+    unread (the kernels split the work)."""
 
-    __slots__ = ("launch", "schedule", "replay")
+    __slots__ = ("launch", "replay")
 
-    def __init__(self, launch: Launch, use_schedule: bool, dense: bool):
-        self.launch, self.schedule, self.replay = launch, use_schedule, dense
+    def __init__(self, launch: Launch, dense: bool):
+        self.launch, self.replay = launch, dense
 
     # fmt: off
     def run(self, q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
@@ -181,7 +203,7 @@ class DeepGemmLaunch:
         # fmt: on
         logits = self.launch.run(
             q, kv_cache, weights, block_table, context_lens, max_context_len, logits_dtype,
-            None, None, schedule_meta if self.schedule else None, out,
+            None, None, None, out,
         )  # fmt: skip
         if clean_logits and logits is not None:
             write_clean(logits, context_lens, q.shape[1])
@@ -223,10 +245,10 @@ class DeepGemmLogits(Op[DeepGemmLaunch, MqaLogitsOptions]):
         lens, lens_next_n = _request_lens(context_lens, batch)
         if lens_next_n and batch is not None and lens_next_n != q.shape[1]:
             raise ValueError(f"context_lens is [B, {lens_next_n}], q has next_n {q.shape[1]}")
-        pool, table = _dense_pool(kv_cache, block_table, q)
+        pool, table = _dense_pool(kv_cache, block_table, q, max_context_len)
         f32 = torch.float32
-        schedule = _schedule(schedule_meta, q)
-        return (q, pool, weights, table, lens, max_context_len, logits_dtype, f32, f32, schedule,
+        _check_schedule(schedule_meta)
+        return (q, pool, weights, table, lens, max_context_len, logits_dtype, f32, f32, None,
                 out, True)  # fmt: skip
 
     def prepare(self, args: tuple) -> tuple:
@@ -257,7 +279,7 @@ class DeepGemmLogits(Op[DeepGemmLaunch, MqaLogitsOptions]):
         lens = args[3]  # 2-D: the kernel reads the newest slot's column in place
         offset = 4 * (lens.shape[1] - 1) * lens.stride(1) if lens.dim() == 2 else 0
         launch = launch_for(native, options, offset)
-        return DeepGemmLaunch(launch, native[9] is not None, not gathered)
+        return DeepGemmLaunch(launch, not gathered)
 
     def reference(self, args: tuple) -> None:
         MQA.reference(self.native(args))

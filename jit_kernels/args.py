@@ -7,13 +7,14 @@ memory with another output or an input is read back half-written by the kernel.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
 
-# Above this many bytes a non-contiguous pair is not compared byte by byte (the check
-# would allocate more than the call); like ATen's "too hard" case, it is let through.
-_EXACT_LIMIT = 1 << 20
+# Past this many contiguous runs a tensor's bytes are not enumerated (the check would
+# allocate more than the call); like ATen's "too hard" case, such a pair is let through.
+_RUN_LIMIT = 1 << 22
 
 
 def require_int(name: str, value: object, minimum: int | None = None) -> int:
@@ -37,17 +38,25 @@ def _span(t: torch.Tensor) -> tuple[int, int] | None:
     return start, start + extent * t.element_size()
 
 
-def _byte_offsets(t: torch.Tensor, base: int) -> torch.Tensor:
-    offsets = torch.zeros((), dtype=torch.int64)
-    for size, stride in zip(t.shape, t.stride(), strict=True):
-        offsets = offsets[..., None] + torch.arange(size) * stride
+def _runs(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """(sorted first bytes, from t's address, of its contiguous runs; a run's bytes): the
+    innermost dims merged while each continues the bytes of those inside it. None past
+    _RUN_LIMIT runs."""
     width = t.element_size()
-    data = offsets.reshape(-1, 1) * width + torch.arange(width)
-    return data.reshape(-1) + (t.data_ptr() - base)
+    dims = sorted(((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz > 1))
+    run = width
+    while dims and dims[0][0] * width == run:
+        run *= dims.pop(0)[1]
+    if math.prod(sz for _, sz in dims) > _RUN_LIMIT:
+        return None
+    starts = torch.zeros((), dtype=torch.int64)
+    for st, sz in dims:
+        starts = starts[..., None] + torch.arange(sz) * (st * width)
+    return starts.reshape(-1).sort().values, run
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` share a byte (exact for dense tensors and small spans)."""
+    """Whether ``a`` and ``b`` share a byte (exact up to _RUN_LIMIT contiguous runs each)."""
     if a.device != b.device:
         return False
     span_a, span_b = _span(a), _span(b)
@@ -55,12 +64,27 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.is_contiguous() and b.is_contiguous():
         return True  # each covers its whole span
-    low, high = min(span_a[0], span_b[0]), max(span_a[1], span_b[1])
-    if high - low > _EXACT_LIMIT:
+    runs_a, runs_b = _runs(a), _runs(b)
+    if runs_a is None or runs_b is None:
         return False
-    marks = torch.zeros(high - low, dtype=torch.bool)
-    marks[_byte_offsets(a, low)] = True
-    return bool(marks[_byte_offsets(b, low)].any())
+    (starts_a, run_a), (starts_b, run_b) = runs_a, runs_b
+    starts_b = starts_b + (b.data_ptr() - a.data_ptr())
+    # b's run [t, t + run_b) meets a's [s, s + run_a) iff s < t + run_b and t < s + run_a;
+    # a's runs are sorted and equally long, so the last one starting below t + run_b decides.
+    last = torch.searchsorted(starts_a, starts_b + run_b) - 1
+    meets = starts_a[last.clamp(min=0)] + run_a > starts_b
+    return bool((meets & (last >= 0)).any())
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two of ``t``'s elements share a byte (an expand()ed or as_strided view)."""
+    if t.numel() <= 1 or t.is_contiguous():
+        return False
+    runs = _runs(t)
+    if runs is None:
+        return False
+    starts, run = runs
+    return bool((starts[1:] < starts[:-1] + run).any())
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -77,8 +101,8 @@ def require_no_overlap(
     inputs: dict[str, torch.Tensor | None],
     in_place: tuple[str, ...] = (),
 ) -> None:
-    """ValueError naming the pair when an output shares memory with another output or an
-    input (``None`` entries are skipped). Inputs named in ``in_place`` may be the very same
+    """ValueError naming the pair when an output shares memory with itself, another output
+    or an input (``None`` entries are skipped). Inputs named in ``in_place`` may be the very same
     view as an output (an op reading them element by element, like a gate, can work in
     place); a partial overlap is still an error. Skipped while torch.compile traces (fake
     tensors have no addresses)."""
@@ -87,6 +111,11 @@ def require_no_overlap(
     outs = [(n, t) for n, t in outputs.items() if isinstance(t, torch.Tensor)]
     ins = [(n, t) for n, t in inputs.items() if isinstance(t, torch.Tensor)]
     for i, (name, out) in enumerate(outs):
+        if overlaps_itself(out):
+            raise ValueError(
+                f"{name} overlaps itself in memory (an expand()ed or as_strided view): an "
+                "output's elements must not share memory"
+            )
         for other, t in [*outs[i + 1 :], *ins]:
             if other in in_place and _same_view(out, t):
                 continue

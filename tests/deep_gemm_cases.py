@@ -116,7 +116,7 @@ def check(logits: torch.Tensor, case: Case, clean_logits: bool, rtol: float = 2e
     for row, (vals, mag) in enumerate(reference(case)):
         got = got_all[row, : len(vals)]
         tol = rtol * mag + (2**-8 * vals.abs() if bf16 else 0) + 1e-6
-        bad = ((got - vals).abs() > tol).nonzero()
+        bad = (~((got - vals).abs() <= tol)).nonzero()  # NaN (an unwritten poison) is bad
         assert len(bad) == 0, (
             f"row {row}: {len(bad)} mismatches, first at {int(bad[0])}: "
             f"got {float(got[bad[0]])} want {float(vals[bad[0]])}"

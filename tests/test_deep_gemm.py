@@ -3,7 +3,10 @@ defaults and semantics against a float64 reference; every rejected input."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import sys
+import types
 
 import pytest
 import torch
@@ -158,13 +161,22 @@ def test_metadata_rejects():
         dg.get_paged_mqa_logits_metadata(lens, 64, 0)
 
 
-def test_validate_rejects_unordered_lens(monkeypatch):
-    monkeypatch.setenv("FLASHINFER_VALIDATE_INPUTS", "1")
+def test_unordered_lens_and_a_gathered_pools_table_are_checked_on_cpu():
+    """On CPU (and on a GPU under FLASHINFER_VALIDATE_INPUTS=1) the newest slot's length
+    must be the largest, and a padded pool's table is checked before it is gathered (the
+    gather itself clamps entries past a request's blocks, which may hold anything)."""
     case = make_case([70, 5], next_n=2, two_d=True)
     call(case)  # ordered: fine
     case.context_lens[0, 0] = 71
     with pytest.raises(ValueError, match="newest slot"):
         call(case)
+    padded = make_case([100, 300], next_n=1, seed=5, block_pad=68)
+    assert not padded.kv_cache.is_contiguous()
+    padded.block_table[0, 4] = -1  # past request 0's two blocks: unused
+    call(padded)
+    padded.block_table[1, 0] = -1
+    with pytest.raises(ValueError, match="block_table holds a block index outside"):
+        call(padded)
 
 
 def test_native_entry_keeps_refusing_bf16():
@@ -221,3 +233,45 @@ def clean_writes_only_the_tail(device: str) -> None:
 
 def test_clean_writes_only_the_tail():
     clean_writes_only_the_tail("cpu")
+
+
+def test_other_names_are_deep_gemms(monkeypatch):
+    """Importing this module as deep_gemm is one line: the names it does not serve are the
+    installed deep_gemm's (its SM count included, so set_num_sms reservations hold)."""
+    monkeypatch.delitem(sys.modules, "deep_gemm", raising=False)
+    monkeypatch.setattr(sys, "path", [])  # no deep_gemm to import
+    assert dg.get_num_sms() >= 1  # without DeepGEMM: the device's SM count
+    with pytest.raises(AttributeError, match="fp8_mqa_logits.*deep_gemm \\(not installed\\)"):
+        dg.fp8_mqa_logits  # noqa: B018
+    stand_in = types.ModuleType("deep_gemm")
+    stand_in.get_num_sms, stand_in.fp8_mqa_logits = (lambda: 66), object()
+    monkeypatch.setitem(sys.modules, "deep_gemm", stand_in)
+    assert dg.get_num_sms() == 66 and dg.fp8_mqa_logits is stand_in.fp8_mqa_logits
+    assert "get_num_sms" not in dg.__all__  # README's replacement keeps DeepGEMM's
+    monkeypatch.setitem(sys.modules, "deep_gemm", dg)  # installed under that name: no loop
+    with pytest.raises(AttributeError, match="set_num_sms"):
+        dg.set_num_sms  # noqa: B018
+
+
+def test_a_schedule_is_not_read():
+    """A schedule_meta of DeepGEMM's shape holding anything (DeepGEMM's own rows mean other
+    things) serves the same logits: the kernels split the work themselves."""
+    case = make_case([100, 300, 7, 0], next_n=2, two_d=True)
+    args = (case.kv_cache, case.weights, case.context_lens, case.block_table)
+    junk = torch.randint(-5, 1000, (9, 2), dtype=torch.int32)
+    want = dg.fp8_paged_mqa_logits(case.q, *args, None, case.max_context_len, True)
+    got = dg.fp8_paged_mqa_logits(case.q, *args, junk, case.max_context_len, True)
+    assert torch.equal(got, want)
+    check(got, case, clean_logits=True)
+
+
+def test_a_padded_pool_gathers_the_columns_max_context_len_reaches():
+    """A table as wide as an engine's longest context (vLLM: max_model_len / block_kv) is
+    gathered only as far as max_context_len reaches, not over its whole width."""
+    case = make_case([100, 300], next_n=1, seed=5, block_pad=68)
+    wide = torch.full((2, 2560), -1, dtype=torch.int32)  # 163840 tokens of columns, unused
+    wide[:, : case.block_table.shape[1]] = case.block_table
+    pool, table = dg._dense_pool(case.kv_cache, wide, case.q, case.max_context_len)
+    assert table.shape == (2, 5) and pool.shape[0] == 10  # ceil(305 / 64) columns a request
+    got = call(dataclasses.replace(case, block_table=wide), clean_logits=True)
+    check(got, case, clean_logits=True)

@@ -35,8 +35,10 @@ def call(case, clean_logits=False, logits_dtype=torch.float32, runner=None):
     )
     args = (case.kv_cache, case.weights, case.context_lens, case.block_table, meta,
             case.max_context_len, clean_logits, logits_dtype)  # fmt: skip
-    if runner is not None:
-        return runner.run((case.q, *args, None, None))  # out, indices
+    if runner is not None:  # into NaN: a visible position left unwritten fails check()
+        rows, cols = case.q.shape[0] * case.q.shape[1], mq.padded_seq_len(case.max_context_len)
+        out = torch.full((rows, cols), float("nan"), dtype=logits_dtype, device=case.q.device)
+        return runner.run((case.q, *args, out, None))  # out, indices
     return dg.fp8_fp4_paged_mqa_logits((case.q, None), *args)
 
 

@@ -329,16 +329,27 @@ def test_rejects_output_over_2_31():
         fp8_paged_mqa_logits(q, kv, w, table, lens, 32768)
 
 
-def test_validate_inputs(monkeypatch):
-    a = _args()
-    monkeypatch.setenv("FLASHINFER_VALIDATE_INPUTS", "1")
+def test_value_preconditions_are_checked_on_cpu():
+    """On CPU tensors the lengths and the table are checked on every call (no sync to
+    spare; the torch path would index with them as given), not only under
+    FLASHINFER_VALIDATE_INPUTS=1 as on a GPU."""
+    a = _args()  # lengths [10, 70], block 64: request 1 uses table columns 0 and 1
+    lens, table = a["seq_lens"], a["block_tables"]
     with pytest.raises(ValueError, match="exceeds max_seq_len"):
         _call(dict(a, max_seq_len=20))
     with pytest.raises(ValueError, match="min_block_table_width"):
-        _call(dict(a, block_tables=a["block_tables"][:, :1].contiguous()))
-    _call(a)
-    monkeypatch.delenv("FLASHINFER_VALIDATE_INPUTS")
-    _call(dict(a, block_tables=a["block_tables"][:, :2].contiguous()))  # unchecked by default
+        _call(dict(a, block_tables=table[:, :1].contiguous()))
+    with pytest.raises(ValueError, match="negative entry"):
+        _call(dict(a, seq_lens=torch.tensor([-5, 70], dtype=torch.int32)))
+    for bad in (-1, a["kv_fused"].shape[0]):
+        used = table.clone()
+        used[1, 1] = bad
+        with pytest.raises(ValueError, match="block index outside"):
+            _call(dict(a, block_tables=used))
+    unused = table.clone()
+    unused[0, 1:] = -1  # past request 0's one block: anything goes
+    _call(dict(a, block_tables=unused))
+    assert lens.tolist() == [10, 70] and table.shape[1] >= 2
 
 
 def test_rejects_bad_schedule():

@@ -257,3 +257,54 @@ def test_gpu_mla_replay_refuses_overlapping_outputs():
     overlapping_value = buf[tokens * heads * 128 :][: tokens * heads * 128].view(tokens, heads, 128)
     with pytest.raises(ValueError, match="key overlaps value"):
         concat_mla_kv_quant_fp8(kv, pe, overlapping_key, overlapping_value)
+
+
+# -- review of session 31: overlaps past a small span, outputs that overlap themselves -------
+def test_overlap_is_exact_past_small_spans():
+    """Interleaved views of one large buffer (spans of megabytes) are told apart exactly:
+    side by side they pass, sharing bytes they are refused (once let through past 1 MiB)."""
+    tokens, heads = 4096, 16
+    kv, pe = mla_inputs(tokens, heads)
+    big = torch.empty(tokens, heads, 2, 192, dtype=torch.float8_e4m3fn)
+    key, value = big[:, :, 0], big[:, :, 1, :128]  # disjoint, interleaved
+    concat_mla_kv_quant_fp8(kv, pe, key, value)
+    want_key, want_value = concat_mla_kv_quant_fp8(kv, pe)
+    assert torch.equal(key.view(torch.uint8), want_key.view(torch.uint8))
+    assert torch.equal(value.view(torch.uint8), want_value.view(torch.uint8))
+    with pytest.raises(ValueError, match="key overlaps value"):
+        concat_mla_kv_quant_fp8(kv, pe, big[:, :, 0], big[:, :, 0, 32:160])
+
+
+def test_outputs_must_not_overlap_themselves():
+    kv, pe = mla_inputs(4, 2)
+    row = torch.empty(1, 2, 192, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="key overlaps itself"):
+        concat_mla_kv_quant_fp8(kv, pe, row.expand(4, 2, 192), None)
+    case = make_case()
+    out = torch.empty_like(case["out"][:1]).expand_as(case["out"])
+    with pytest.raises(ValueError, match="out overlaps itself"):
+        qsa.qsa_sparse_paged_attention(*args_of({**case, "out": out}))
+
+
+def test_qsa_empty_pool_writes_zeros():
+    """A pool of no blocks attends nothing: every row is zero (the gather had nothing to
+    index)."""
+    case = make_case()
+    for name in ("k_cache", "v_cache"):
+        case[name] = case[name][:0]
+    case["out"] = torch.full_like(case["out"], float("nan"))
+    got = qsa.qsa_sparse_paged_attention(*args_of(case))
+    assert torch.equal(got, torch.zeros_like(got))
+
+
+def test_refusals_found_in_review():
+    kv = torch.zeros(4, 2, 16, 128, dtype=torch.uint8)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="num_query_heads \\(7\\) must be a multiple"):
+        qsa.warmup_qsa_fp8_decode(kv, table, num_query_heads=7, selection_width=64)
+    with pytest.raises(TypeError, match="cache_dtype must be a torch.dtype"):
+        qsa.use_fp8_decode_kernel(4096, "float8_e4m3fn")
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        kv_nope, k_pe = (t.to(dtype) for t in mla_inputs(4, 2))
+        with pytest.raises(TypeError, match="kv_nope must be a floating tensor of 16 bits"):
+            concat_mla_kv_quant_fp8(kv_nope, k_pe)

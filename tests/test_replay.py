@@ -27,7 +27,7 @@ import flashinfer_jit.qsa.launch as qsa_launch
 import flashinfer_jit.qsa.op as qsa_op
 import flashinfer_jit.qsa.plan as qsa_plan
 from flashinfer_jit.mqa_logits.launch import KernelPlan
-from jit_kernels import KernelFamily, LaunchError, plan_cache
+from jit_kernels import KernelFamily, LaunchError, plan_cache, validate_inputs
 from jit_kernels.alloc import RawAllocator
 from jit_kernels.launch import merge
 
@@ -246,6 +246,8 @@ def test_mqa_switches_take_effect_on_the_next_call(mqa_stub, monkeypatch, by):
     monkeypatch.delenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE")
     checked = []
     monkeypatch.setattr(mq_op, "validate_preconditions", lambda *a: checked.append(a))
+    # The stub's CPU tensors stand for a GPU's, whose values are checked only on request.
+    monkeypatch.setattr(mq_op, "validate_values", lambda device: validate_inputs())
     monkeypatch.setenv("FLASHINFER_VALIDATE_INPUTS", "1")
     assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 1 and len(checked) == 1
     monkeypatch.delenv("FLASHINFER_VALIDATE_INPUTS")

@@ -319,6 +319,8 @@ def use_fp8_decode_kernel(
     require_int("base_programs", base_programs, 0)
     require_int("topk", topk, 0)
     require_int("head_dim", head_dim, 0)
+    if not isinstance(cache_dtype, torch.dtype):
+        raise TypeError(f"cache_dtype must be a torch.dtype, got {type(cache_dtype).__name__}")
     if device is None and torch.cuda.is_available():
         device = torch.cuda.current_device()
     if device is None:

@@ -76,6 +76,8 @@ def qsa_decode_torch(
     topk = logical_indices.shape[1] - 1
     if rows == 0:
         return out
+    if num_blocks == 0:  # no token to attend: every row is zero
+        return out.zero_()
     page, offset, attended = resolve_entries(
         logical_indices, block_table, token_to_req, num_blocks, page_size
     )

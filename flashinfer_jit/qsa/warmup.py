@@ -59,14 +59,7 @@ def warmup_qsa_fp8_decode(
     where the fp8 kernels do not apply (CPU, dtype, arch, shape, or kernels disabled). ``selection_width`` is TOPK;
     ``options`` the launch choices the calls will take.
     """
-    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4:
-        raise ValueError(
-            "kv_cache must be a 4-D tensor [num_blocks, num_kv_heads, page_size, 2 * head_dim]"
-        )
-    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
-        raise ValueError("block_table must be a 2-D tensor [num_requests, width]")
-    require_int("selection_width", selection_width, 0)
-    require_int("num_query_heads", num_query_heads, 1)
+    _check_args(kv_cache, block_table, num_query_heads, selection_width)
     _, num_kv_heads, page_size, width = kv_cache.shape
     head_dim = width // 2
     if (
@@ -75,9 +68,7 @@ def warmup_qsa_fp8_decode(
         or kv_cache.dtype not in FP8_CACHE_DTYPES
         or width % 2
         or head_dim not in HEAD_DIMS
-        or num_kv_heads < 1
-        or num_query_heads % num_kv_heads
-        or not 1 <= num_query_heads // num_kv_heads <= MAX_GROUP
+        or num_query_heads // num_kv_heads > MAX_GROUP
         or capability(cuda_device_index(kv_cache)) < (8, 9)
     ):
         return ()
@@ -102,6 +93,24 @@ def warmup_qsa_fp8_decode(
     for family, params in plans:
         family.get(params, device)
     return tuple((family.family, params) for family, params in plans)
+
+
+def _check_args(kv_cache, block_table, num_query_heads: int, selection_width: int) -> None:
+    """What a call over this cache would be refused for (the geometry's, not the values')."""
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4:
+        raise ValueError(
+            "kv_cache must be a 4-D tensor [num_blocks, num_kv_heads, page_size, 2 * head_dim]"
+        )
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+        raise ValueError("block_table must be a 2-D tensor [num_requests, width]")
+    require_int("selection_width", selection_width, 0)
+    require_int("num_query_heads", num_query_heads, 1)
+    num_kv_heads = kv_cache.shape[1]
+    if num_kv_heads < 1 or num_query_heads % num_kv_heads:
+        raise ValueError(
+            f"num_query_heads ({num_query_heads}) must be a multiple of kv_cache's "
+            f"num_kv_heads ({num_kv_heads})"
+        )
 
 
 def prebuild_specs(workloads: dict, options: QsaOptions) -> list[KernelSpec]:
