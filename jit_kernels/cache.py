@@ -28,6 +28,7 @@ from .cache_record import (
     check_existing_folders,
     check_owner_and_mode,
     cubin_problem,
+    make_folders,
     read_record,
     remove_squatter,
 )
@@ -183,8 +184,8 @@ class CubinCache:
         cubin_path = self.root / rel
         try:
             check_existing_folders(self.root, rel.parent)
-            cubin_path.parent.mkdir(parents=True, exist_ok=True)
-            check_existing_folders(self.root, rel.parent)  # as created (umask)
+            make_folders(cubin_path.parent)
+            check_existing_folders(self.root, rel.parent)  # as created, or by another process
             lock = self._lock(cubin_path)
         except OSError as exc:
             self._cannot_store(exc)

@@ -111,6 +111,21 @@ def check_existing_folders(root: Path, rel_folder: Path) -> None:
         check_owner_and_mode(folder)
 
 
+def make_folders(folder: Path) -> None:
+    """``mkdir -p folder``, each folder it creates with mode 0o755 narrowed by the umask: a
+    plain ``mkdir(parents=True)`` under umask 000 makes folders other users can write to,
+    which the cache then refuses (check_owner_and_mode). Folders that exist keep their mode."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o755)
+        except FileExistsError:  # another process made it: checked like any found folder
+            continue
+
+
 def remove_squatter(path: Path) -> bool:
     """Remove a folder or link standing where the cache writes a plain file (the name is
     the cache's own). True when something was removed."""

@@ -37,7 +37,7 @@ from types import ModuleType
 import filelock
 
 from .cache import LOCK_TIMEOUT_S, default_cache_root, prebuilt_roots
-from .cache_record import check_owner_and_mode, remove_squatter
+from .cache_record import check_owner_and_mode, make_folders, remove_squatter
 from .spec import sha256_hex
 
 log = logging.getLogger("flashinfer_jit.jit")
@@ -153,7 +153,7 @@ def build(root: Path) -> tuple[Path, bool]:
     for checked in (root, folder):  # before anything is written, built or loaded there
         if checked.exists():
             check_owner_and_mode(checked)
-    folder.mkdir(parents=True, exist_ok=True)
+    make_folders(folder)
     check_owner_and_mode(folder)
     if _trusted(root, path):
         return path, False

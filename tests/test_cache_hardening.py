@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import stat
 from pathlib import Path
 
 import pytest
 
-from jit_kernels import CubinCache, InsecureCacheError, KernelBuilder, KernelSpec, cache_admin
+from jit_kernels import (
+    CompiledKernel,
+    CubinCache,
+    InsecureCacheError,
+    KernelBuilder,
+    KernelSpec,
+    cache_admin,
+    native,
+)
 from jit_kernels.cache_record import CorruptEntry, parse_record
 
 REPO = Path(__file__).resolve().parent.parent
@@ -162,6 +171,25 @@ def test_a_world_writable_family_folder_is_refused_before_writing(tmp_path):
     with pytest.raises(InsecureCacheError):
         _builder(tmp_path / "cache").build(SPEC, "sm_90a")
     assert list(folder.iterdir()) == []
+
+
+def test_folders_made_under_umask_000_are_not_writable_by_others(tmp_path):
+    """mkdir -p under umask 000 gives 0o777 folders, which the cache then refused: every
+    first compile raised InsecureCacheError and prebuild failed every kernel."""
+    root = tmp_path / "new" / "cache"
+    stand_in = CompiledKernel(b"\x7fELF stand-in entry\0", "entry", 0.0)
+    store = CubinCache(root, [], VERSION)
+    meta = {"key": "a" * 64, "family": "fam", "label": "x", "arch": "sm_90a", "version": VERSION}
+    old = os.umask(0)
+    try:
+        _, built = store.get_or_build("sm_90a", "fam", "a" * 64, meta, lambda: stand_in)
+        native.build(root)
+    finally:
+        os.umask(old)
+    assert built and store._writable is not False
+    folders = [root.parent, *(p for p in root.parent.rglob("*") if p.is_dir())]
+    assert len(folders) == 6 and all(p.stat().st_mode & 0o777 == 0o755 for p in folders)
+    assert store.lookup("sm_90a", "fam", "a" * 64, "x") == stand_in
 
 
 # -- item 1: clear removes only what the package wrote --------------------------------------
