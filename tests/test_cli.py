@@ -188,6 +188,20 @@ def test_cache_verify_of_a_malformed_record_is_a_row_not_a_traceback(
     assert "not an object" in out
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["cache", "list"], ["cache", "verify"], ["cache", "clear"], ["env"],
+     ["prebuild", "--arch", "sm_90a", "--ops", "mla_kv_pack", "-j", "1"]],
+)  # fmt: skip
+def test_a_cache_path_the_system_refuses_is_one_line(capsys, jit_cache, monkeypatch, argv):
+    """An OSError (here ENAMETOOLONG; an unreadable or immutable folder alike) is a user
+    error like the rest: one line naming the path, exit 2, no traceback."""
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(jit_cache.parent / ("x" * 300)))
+    code, _, err = _run(capsys, *argv)
+    line = _one_error_line(err)
+    assert code == 2 and "x" * 300 in line and line.endswith(": File name too long")
+
+
 # -- item 6: --output others can write to -----------------------------------------------------
 def test_a_world_writable_output_is_refused_before_writing(capsys, jit_cache, tmp_path):
     out_dir = tmp_path / "bundle"
