@@ -1,8 +1,8 @@
 """The JSON record beside each cached cubin, and the file-system rules the cache keeps.
 
 A record binds its entry: the cache key (which is also the file name), the spec label,
-the family and arch (which are also the folders), the package version (the top folder)
-and the cubin's size and sha256. An entry copied or renamed under another key, family,
+the family and arch (which are also the folders), the package version (the top folder),
+the cubin's size and sha256, and its entry symbol (which the cubin must name). An entry copied or renamed under another key, family,
 arch or version no longer matches its record, so it is never served as another kernel.
 A record that does not parse into this shape is a corrupt entry, like a bad checksum.
 """
@@ -80,6 +80,10 @@ def cubin_problem(record: dict, data: bytes) -> str | None:
         return f"size {len(data)} != recorded {record['size']}"
     if hashlib.sha256(data).hexdigest() != record["sha256"]:
         return "sha256 mismatch"
+    # The entry is looked up by name on load: one the cubin does not define would fail
+    # there, and be remembered as unavailable, instead of being rebuilt here.
+    if record["entry"].encode() + b"\0" not in data:
+        return f"record entry {record['entry']!r} is not a symbol of the cubin"
     return None
 
 

@@ -100,6 +100,23 @@ def test_verify_reports_a_renamed_entry(cache):
     assert list(problems.values()).count(None) == 1  # OTHER is still fine
 
 
+def test_a_record_naming_another_entry_is_not_served(cache, caplog):
+    """The record's entry symbol was never checked: one naming a symbol the cubin does not
+    define was served, and on a GPU its lookup failed and was remembered as unavailable."""
+    meta_path = _entry(cache, SPEC).with_suffix(".json")
+    record = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**record, "entry": "bogus"}))
+    (bad,) = [
+        e
+        for e in cache_admin.entries(CubinCache(cache, [], VERSION))
+        if e.meta == {**record, "entry": "bogus"}
+    ]
+    assert "not a symbol" in cache_admin.verify(bad)
+    with caplog.at_level(logging.WARNING, logger="flashinfer_jit"):
+        kernel, compiled = _builder(cache).build(SPEC, "sm_90a")
+    assert compiled and "not a symbol" in caplog.text and kernel.entry == record["entry"]
+
+
 # -- item 3: a record of the wrong shape is a corrupt entry ---------------------------------
 @pytest.mark.parametrize("text", ["null", "[]", "{}", '"x"', "{not json", '{"size": true}'])
 def test_malformed_records_are_rejected(text):

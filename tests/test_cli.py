@@ -120,7 +120,7 @@ def test_each_shipped_workloads_file_round_trips(op):
 def fake_compile(monkeypatch):
     """Compiling returns a stand-in cubin at once: these tests are about storing."""
     monkeypatch.setattr(build, "compile_cubin", lambda rendered, arch: CompiledKernel(
-        b"\x7fELF stand-in for " + arch.encode(), "entry", 0.0))  # fmt: skip
+        b"\x7fELF stand-in entry\0 for " + arch.encode(), "entry", 0.0))  # fmt: skip
 
 
 def _mla_workloads(tmp_path: Path) -> str:
@@ -309,7 +309,7 @@ def test_prebuild_reports_what_the_compiler_warned(capsys, jit_cache, tmp_path, 
 
     def warns_for_cake(rendered, arch: str) -> CompiledKernel:
         said = warning if "cake" in rendered.spec.family else ""
-        return CompiledKernel(b"\x7fELF stand-in", "entry", 0.0, said)
+        return CompiledKernel(b"\x7fELF stand-in entry\0", "entry", 0.0, said)
 
     monkeypatch.setattr(build, "compile_cubin", warns_for_cake)
     out_dir = tmp_path / "bundle"
