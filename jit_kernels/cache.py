@@ -60,6 +60,25 @@ def prebuilt_roots() -> list[Path]:
     return [Path(p) for p in os.environ.get(CUBIN_PATH_ENV, "").split(":") if p]
 
 
+def read_entry(root: Path, rel: Path, label: str | None = None) -> tuple[dict, bytes]:
+    """(record, cubin) of the entry at ``root/rel``, bound to its folders and file name (and
+    ``label``, when given). CorruptEntry when it is not intact or not bound so; an OSError
+    where it cannot be read; InsecureCacheError where others can write to it or its folders."""
+    check_existing_folders(root, rel.parent)
+    cubin_path = root / rel
+    record = read_record(cubin_path.with_suffix(".json"))
+    version, arch, family = rel.parent.parts
+    expected = {"key": rel.stem, "family": family, "arch": arch, "version": version}
+    problem = binding_problem(record, expected if label is None else {**expected, "label": label})
+    if problem is None:
+        check_owner_and_mode(cubin_path)
+        data = cubin_path.read_bytes()
+        problem = cubin_problem(record, data)
+    if problem is not None:
+        raise CorruptEntry(problem)
+    return record, data
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheEntry:
     cubin_path: Path
@@ -94,31 +113,15 @@ class CubinCache:
         return Path(self.version, arch, family, f"{key}.cubin")
 
     # -- reading ---------------------------------------------------------------------
-    def _expected(self, rel: Path, label: str | None) -> dict[str, str]:
-        """What the record of the entry at ``rel`` must say (its folders and file name)."""
-        version, arch, family = rel.parent.parts
-        expected = {"key": rel.stem, "family": family, "arch": arch, "version": version}
-        return expected if label is None else {**expected, "label": label}
-
     def _load_from(self, root: Path, rel: Path, label: str | None = None) -> CompiledKernel | None:
         cubin_path = root / rel
         meta_path = cubin_path.with_suffix(".json")
         if not meta_path.exists() and not meta_path.is_symlink():
             return None
-        check_existing_folders(root, rel.parent)
-        try:
-            record = read_record(meta_path)
-            problem = binding_problem(record, self._expected(rel, label))
-            if problem is None:
-                check_owner_and_mode(cubin_path)
-                data = cubin_path.read_bytes()
-                problem = cubin_problem(record, data)
+        try:  # InsecureCacheError propagates: other users can write there
+            record, data = read_entry(root, rel, label)
         except (OSError, CorruptEntry) as exc:
-            problem = str(exc)
-        if problem is not None:
-            log.warning(
-                "cache entry %s is corrupt or truncated (%s); rebuilding", cubin_path, problem
-            )
+            log.warning("cache entry %s is corrupt or truncated (%s); rebuilding", cubin_path, exc)
             return None
         return CompiledKernel(data, record["entry"], 0.0)
 

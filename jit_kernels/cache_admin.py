@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from . import native
-from .cache import CacheEntry, CubinCache
-from .cache_record import CorruptEntry, binding_problem, cubin_problem, read_record
+from .cache import CacheEntry, CubinCache, read_entry
+from .cache_record import CorruptEntry, InsecureCacheError, read_record
 
 VERSION_RE = re.compile(r"\d+(\.\d+)*[0-9A-Za-z.+!-]*")
 ARCH_RE = re.compile(r"sm_\d{2,3}[af]?")
@@ -69,21 +69,14 @@ def entries(cache: CubinCache, root: Path | None = None) -> Iterator[CacheEntry]
 
 
 def verify(entry: CacheEntry) -> str | None:
-    """None when the entry is intact and bound to its place, else what is wrong with it."""
+    """None when loading would serve the entry (intact, bound to its place, not writable by
+    other users, nor its folders), else what is wrong with it."""
+    root = entry.cubin_path.parents[3]
     try:
-        record = read_record(entry.meta_path)
-    except CorruptEntry as exc:
+        read_entry(root, entry.cubin_path.relative_to(root))
+    except (OSError, CorruptEntry, InsecureCacheError) as exc:
         return str(exc)
-    version, arch, family = entry.cubin_path.parent.parts[-3:]
-    expected = {"key": entry.cubin_path.stem, "family": family, "arch": arch, "version": version}
-    problem = binding_problem(record, expected)
-    if problem is not None:
-        return problem
-    try:
-        data = entry.cubin_path.read_bytes()
-    except OSError as exc:
-        return f"unreadable cubin ({exc})"
-    return cubin_problem(record, data)
+    return None
 
 
 def other_problems(cache: CubinCache, root: Path) -> list[Problem]:

@@ -117,6 +117,21 @@ def test_a_record_naming_another_entry_is_not_served(cache, caplog):
     assert compiled and "not a symbol" in caplog.text and kernel.entry == record["entry"]
 
 
+@pytest.mark.parametrize("where", ["cubin", "family folder"])
+def test_verify_reports_what_loading_refuses(cache, where):
+    """verify said 0 bad for a cubin other users can write to, which loading refuses."""
+    cubin = _entry(cache, SPEC)
+    (cubin if where == "cubin" else cubin.parent).chmod(0o666 if where == "cubin" else 0o777)
+    with pytest.raises(InsecureCacheError):
+        CubinCache(cache, [], VERSION).lookup("sm_90a", SPEC.family, cubin.stem)
+    problems = {
+        e.cubin_path: cache_admin.verify(e)
+        for e in cache_admin.entries(CubinCache(cache, [], VERSION))
+    }
+    bad = {path for path, problem in problems.items() if "writable by other users" in str(problem)}
+    assert bad == ({cubin} if where == "cubin" else set(problems)) and len(problems) == 2
+
+
 # -- item 3: a record of the wrong shape is a corrupt entry ---------------------------------
 @pytest.mark.parametrize("text", ["null", "[]", "{}", '"x"', "{not json", '{"size": true}'])
 def test_malformed_records_are_rejected(text):
