@@ -8,6 +8,7 @@ can be listed in ``FLASHINFER_JIT_CUBIN_PATH`` as it is.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -16,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import filelock
 import platformdirs
@@ -38,6 +40,10 @@ log = logging.getLogger("flashinfer_jit.jit")
 
 CUBIN_PATH_ENV = "FLASHINFER_JIT_CUBIN_PATH"
 LOCK_TIMEOUT_S = 600.0
+# Store failures that mean the cache cannot be written at all: it is then used in memory
+# for the rest of the process. ENOTDIR: a file where a cache folder goes.
+UNWRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR})
+T = TypeVar("T")
 __all__ = ["CACHE_DIR_ENV", "CacheWriteError", "CubinCache", "InsecureCacheError"]
 
 
@@ -140,10 +146,16 @@ class CubinCache:
 
     # -- writing ---------------------------------------------------------------------
     def _cannot_store(self, exc: OSError) -> None:
-        """Raise (require_store) or warn once and go on in memory."""
+        """Raise (require_store), or warn and go on in memory: for the rest of the process
+        where the cache cannot be written at all (warned once), else for this entry."""
         if self.require_store:
             reason = exc.strerror or str(exc)
             raise CacheWriteError(f"cannot write the cache {self.root}: {reason}") from exc
+        if exc.errno not in UNWRITABLE:  # a full disk, a folder removed twice meanwhile...
+            log.warning(
+                "cubin cache %s could not store an entry (%s); kept in memory", self.root, exc
+            )
+            return
         if self._writable is not False:
             log.warning(
                 "cubin cache %s is not writable (%s); compiling in memory only", self.root, exc
@@ -160,7 +172,7 @@ class CubinCache:
         # filelock retries some open() errors until its timeout (600 s) instead of raising.
         fd, probe = tempfile.mkstemp(dir=cubin_path.parent, prefix=".probe.", suffix=".tmp")
         os.close(fd)
-        os.unlink(probe)
+        Path(probe).unlink(missing_ok=True)  # (`cache clear` may have removed it)
         lock_path = cubin_path.with_suffix(".lock")
         if remove_squatter(lock_path):
             log.warning("removed a folder or link in place of the lock file %s", lock_path)
@@ -189,7 +201,7 @@ class CubinCache:
             check_existing_folders(self.root, rel.parent)
             make_folders(cubin_path.parent)
             check_existing_folders(self.root, rel.parent)  # as created, or by another process
-            lock = self._lock(cubin_path)
+            lock = _again_if_removed(lambda: self._lock(cubin_path), cubin_path.parent)
         except OSError as exc:
             self._cannot_store(exc)
             return build(), True
@@ -200,7 +212,7 @@ class CubinCache:
                 return found, False
             kernel = build()
             try:
-                self._store(cubin_path, kernel, meta)
+                _again_if_removed(lambda: self._store(cubin_path, kernel, meta), cubin_path.parent)
             except OSError as exc:
                 self._cannot_store(exc)
             return kernel, True
@@ -224,6 +236,17 @@ class CubinCache:
         # The cubin lands first and the record last: a record always names a whole cubin.
         _atomic_write(cubin_path, kernel.cubin)
         _atomic_write(meta_path, json.dumps(record, indent=1).encode())
+
+
+def _again_if_removed(write: Callable[[], T], folder: Path) -> T:
+    """``write()`` into ``folder``; where it fails on a missing folder (ENOENT), once more in
+    the folder made anew: ``cache clear`` removes the folders it empties, and a builder may
+    have made one of them a moment before (the folders above were checked then)."""
+    try:
+        return write()
+    except FileNotFoundError:
+        make_folders(folder)
+        return write()
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

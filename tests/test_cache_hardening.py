@@ -21,6 +21,7 @@ from jit_kernels import (
     cache_admin,
     native,
 )
+from jit_kernels import build as build_mod
 from jit_kernels.cache_record import CorruptEntry, parse_record
 
 REPO = Path(__file__).resolve().parent.parent
@@ -264,3 +265,23 @@ def test_clear_one_arch_leaves_the_others(cache):
     report = cache_admin.clear(cache, ("sm_90a",))
     assert report.files > 0 and kept.exists()
     assert not (cache / VERSION / "sm_90a").exists()  # emptied, so removed
+
+
+# -- a clear during a build ---------------------------------------------------------------
+def test_a_store_into_a_folder_removed_meanwhile_is_retried(cache, monkeypatch, caplog):
+    """ENOENT on storing (a clear pruned the folder) made the cache in-memory for good."""
+    cubin = _entry(cache, SPEC)
+    for suffix in (".cubin", ".json"):
+        cubin.with_suffix(suffix).unlink()
+    real = build_mod.compile_cubin
+
+    def compile_and_remove(rendered, arch):
+        shutil.rmtree(cubin.parent.parent.parent)
+        return real(rendered, arch)
+
+    monkeypatch.setattr(build_mod, "compile_cubin", compile_and_remove)
+    builder = _builder(cache)
+    with caplog.at_level(logging.WARNING, logger="flashinfer_jit"):
+        builder.build(SPEC, "sm_90a")
+    assert builder.cache._writable is not False and not caplog.text
+    assert cubin.exists() and _builder(cache).build(SPEC, "sm_90a")[1] is False
