@@ -66,6 +66,12 @@ def prebuilt_roots() -> list[Path]:
     return [Path(p) for p in os.environ.get(CUBIN_PATH_ENV, "").split(":") if p]
 
 
+def bound_fields(rel: Path) -> dict[str, str]:
+    """What the record of the entry at ``rel`` (version/arch/family/key.*) must say."""
+    version, arch, family = rel.parent.parts
+    return {"key": rel.stem, "family": family, "arch": arch, "version": version}
+
+
 def read_entry(root: Path, rel: Path, label: str | None = None) -> tuple[dict, bytes]:
     """(record, cubin) of the entry at ``root/rel``, bound to its folders and file name (and
     ``label``, when given). CorruptEntry when it is not intact or not bound so; an OSError
@@ -73,8 +79,7 @@ def read_entry(root: Path, rel: Path, label: str | None = None) -> tuple[dict, b
     check_existing_folders(root, rel.parent)
     cubin_path = root / rel
     record = read_record(cubin_path.with_suffix(".json"))
-    version, arch, family = rel.parent.parts
-    expected = {"key": rel.stem, "family": family, "arch": arch, "version": version}
+    expected = bound_fields(rel)
     problem = binding_problem(record, expected if label is None else {**expected, "label": label})
     if problem is None:
         check_owner_and_mode(cubin_path)

@@ -30,6 +30,9 @@ RECORD_FIELDS: dict[str, type] = {
     "sha256": str,
 }
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+# The tail of the name of a temporary file the cache writes: tempfile.mkstemp's 8 random
+# characters, then the suffix given (``cache clear`` tells its own temporary files by it).
+TEMP_TAIL = r"\.[a-z0-9_]{8}\.tmp"
 
 
 class InsecureCacheError(RuntimeError):

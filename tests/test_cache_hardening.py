@@ -10,6 +10,7 @@ import shutil
 import stat
 from pathlib import Path
 
+import filelock
 import pytest
 
 from jit_kernels import (
@@ -267,7 +268,66 @@ def test_clear_one_arch_leaves_the_others(cache):
     assert not (cache / VERSION / "sm_90a").exists()  # emptied, so removed
 
 
+def test_clear_keeps_what_only_looks_like_entries(cache):
+    """Names of the cache's shapes that it did not write: a record that is not one, a
+    launcher-like name, an empty folder it never wrote (all removed before)."""
+    planted = [
+        cache / "2024" / "sm_90" / "notes" / ("a" * 64 + ".json"),
+        cache / "native" / "_launcher-0123456789abcdef-notes.txt",
+        cache / VERSION / "sm_90a" / SPEC.family / ("b" * 64 + ".lock"),  # not empty
+    ]
+    for path in planted:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("user data")
+    empty = cache / "3" / "sm_80" / "fam"
+    empty.mkdir(parents=True)
+    report = cache_admin.clear(cache)
+    assert report.files > 0 and report.kept == len(planted)
+    assert all(p.read_text() == "user data" for p in planted) and empty.is_dir()
+    assert not list(cache.rglob("*.cubin"))
+
+
+def test_clear_through_a_linked_root(cache, tmp_path):
+    """A root that is a link (the user named it) was never entered: 0 files removed."""
+    link = tmp_path / "link"
+    link.symlink_to(cache)
+    files = len([p for p in cache.rglob("*") if p.is_file()])
+    assert cache_admin.clear(link, remove=False).files == files > 0
+    assert cache_admin.clear(link).files == files and not list(cache.rglob("*.cubin"))
+
+
+@pytest.mark.parametrize("bundle", [".", "..", "9.9.9"])
+def test_clear_refuses_a_prebuilt_root(cache, bundle):
+    """A bundle listed in FLASHINFER_JIT_CUBIN_PATH that is, holds or sits in the root."""
+    files = sorted(cache.rglob("*"))
+    with pytest.raises(ValueError, match="prebuilt bundle"):
+        cache_admin.clear(cache, keep=[cache / bundle])
+    assert sorted(cache.rglob("*")) == files
+
+
 # -- a clear during a build ---------------------------------------------------------------
+def test_clear_during_a_build_leaves_its_lock(cache, monkeypatch):
+    """clear unlinked the lock a builder held (a second process then took it too) and
+    pruned the folder, so the store failed and the cache was off for the process."""
+    cubin = _entry(cache, SPEC)
+    for suffix in (".cubin", ".json"):
+        cubin.with_suffix(suffix).unlink()
+    real, reports = build_mod.compile_cubin, []
+
+    def compile_and_clear(rendered, arch):
+        reports.append(cache_admin.clear(cache))
+        with pytest.raises(filelock.Timeout):
+            filelock.FileLock(str(cubin.with_suffix(".lock")), timeout=0).acquire()
+        return real(rendered, arch)
+
+    monkeypatch.setattr(build_mod, "compile_cubin", compile_and_clear)
+    builder = _builder(cache)
+    builder.build(SPEC, "sm_90a")
+    assert reports[0].busy == 1 and reports[0].files > 0  # OTHER's entry went
+    assert builder.cache._writable is not False
+    assert _builder(cache).build(SPEC, "sm_90a")[1] is False
+
+
 def test_a_store_into_a_folder_removed_meanwhile_is_retried(cache, monkeypatch, caplog):
     """ENOENT on storing (a clear pruned the folder) made the cache in-memory for good."""
     cubin = _entry(cache, SPEC)

@@ -225,6 +225,23 @@ def test_cache_clear_reports_and_keeps_foreign_files(capsys, jit_cache, fake_com
     assert not list(jit_cache.rglob("*.cubin"))
 
 
+def test_cache_clear_refuses_a_prebuilt_bundle(
+    capsys, jit_cache, fake_compile, tmp_path, monkeypatch
+):
+    """FLASHINFER_JIT_CUBIN_PATH and FLASHINFER_JIT_CACHE_DIR naming one bundle: clear
+    deleted the bundle."""
+    from flashinfer_jit._jit import BUILDER
+
+    assert _run(capsys, "prebuild", "--arch", "sm_90a", "-j", "1",
+                "--workloads", _mla_workloads(tmp_path))[0] == 0  # fmt: skip
+    bundle = sorted(jit_cache.rglob("*"))
+    monkeypatch.setenv("FLASHINFER_JIT_CUBIN_PATH", str(jit_cache))
+    BUILDER._cache = None
+    code, _, err = _run(capsys, "cache", "clear")
+    assert code == 2 and "prebuilt bundle" in _one_error_line(err)
+    assert sorted(jit_cache.rglob("*")) == bundle
+
+
 # -- item 10: env -----------------------------------------------------------------------------
 def _variables_read() -> set[str]:
     """Every environment variable name the package's source reads."""
