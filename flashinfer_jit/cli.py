@@ -1,7 +1,7 @@
 """The ``flashinfer-jit`` command: prebuild kernels, inspect the cache, report the setup.
 
 Every user error (a bad argument, environment variable or workloads file, a cache folder
-that cannot be trusted) is one line on stderr and exit status 2, never a traceback.
+that cannot be trusted or read) is one line on stderr and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -213,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (CliError, WorkloadError, InsecureCacheError, ValueError) as exc:
         print(f"flashinfer-jit: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except OSError as exc:  # a cache folder unreadable, immutable, a name too long...
+        what = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else exc
+        print(f"flashinfer-jit: error: {what}", file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:
         print("flashinfer-jit: interrupted", file=sys.stderr)

@@ -28,11 +28,13 @@ def _clear(cache: CubinCache, arch_text: str | None) -> int:
     if not cache.root.is_dir():
         print(f"nothing to clear: {cache.root} is not a folder")
         return 0
-    report = cache_admin.clear(cache.root, archs)
+    report = cache_admin.clear(cache.root, archs, keep=cache.prebuilt)
     which = f" for {','.join(archs)}" if archs else ""
     print(f"removed {report.files} files ({report.bytes} bytes){which} from {cache.root}")
     if report.kept:
         print(f"left {report.kept} files beside them that flashinfer-jit did not write")
+    if report.busy:
+        print(f"left {report.busy} files of kernels another process is building")
     return 0
 
 

@@ -8,6 +8,7 @@ can be listed in ``FLASHINFER_JIT_CUBIN_PATH`` as it is.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -16,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import filelock
 import platformdirs
@@ -28,6 +30,7 @@ from .cache_record import (
     check_existing_folders,
     check_owner_and_mode,
     cubin_problem,
+    make_folders,
     read_record,
     remove_squatter,
 )
@@ -37,6 +40,10 @@ log = logging.getLogger("flashinfer_jit.jit")
 
 CUBIN_PATH_ENV = "FLASHINFER_JIT_CUBIN_PATH"
 LOCK_TIMEOUT_S = 600.0
+# Store failures that mean the cache cannot be written at all: it is then used in memory
+# for the rest of the process. ENOTDIR: a file where a cache folder goes.
+UNWRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR})
+T = TypeVar("T")
 __all__ = ["CACHE_DIR_ENV", "CacheWriteError", "CubinCache", "InsecureCacheError"]
 
 
@@ -57,6 +64,30 @@ def default_cache_root() -> Path:
 
 def prebuilt_roots() -> list[Path]:
     return [Path(p) for p in os.environ.get(CUBIN_PATH_ENV, "").split(":") if p]
+
+
+def bound_fields(rel: Path) -> dict[str, str]:
+    """What the record of the entry at ``rel`` (version/arch/family/key.*) must say."""
+    version, arch, family = rel.parent.parts
+    return {"key": rel.stem, "family": family, "arch": arch, "version": version}
+
+
+def read_entry(root: Path, rel: Path, label: str | None = None) -> tuple[dict, bytes]:
+    """(record, cubin) of the entry at ``root/rel``, bound to its folders and file name (and
+    ``label``, when given). CorruptEntry when it is not intact or not bound so; an OSError
+    where it cannot be read; InsecureCacheError where others can write to it or its folders."""
+    check_existing_folders(root, rel.parent)
+    cubin_path = root / rel
+    record = read_record(cubin_path.with_suffix(".json"))
+    expected = bound_fields(rel)
+    problem = binding_problem(record, expected if label is None else {**expected, "label": label})
+    if problem is None:
+        check_owner_and_mode(cubin_path)
+        data = cubin_path.read_bytes()
+        problem = cubin_problem(record, data)
+    if problem is not None:
+        raise CorruptEntry(problem)
+    return record, data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,31 +124,15 @@ class CubinCache:
         return Path(self.version, arch, family, f"{key}.cubin")
 
     # -- reading ---------------------------------------------------------------------
-    def _expected(self, rel: Path, label: str | None) -> dict[str, str]:
-        """What the record of the entry at ``rel`` must say (its folders and file name)."""
-        version, arch, family = rel.parent.parts
-        expected = {"key": rel.stem, "family": family, "arch": arch, "version": version}
-        return expected if label is None else {**expected, "label": label}
-
     def _load_from(self, root: Path, rel: Path, label: str | None = None) -> CompiledKernel | None:
         cubin_path = root / rel
         meta_path = cubin_path.with_suffix(".json")
         if not meta_path.exists() and not meta_path.is_symlink():
             return None
-        check_existing_folders(root, rel.parent)
-        try:
-            record = read_record(meta_path)
-            problem = binding_problem(record, self._expected(rel, label))
-            if problem is None:
-                check_owner_and_mode(cubin_path)
-                data = cubin_path.read_bytes()
-                problem = cubin_problem(record, data)
+        try:  # InsecureCacheError propagates: other users can write there
+            record, data = read_entry(root, rel, label)
         except (OSError, CorruptEntry) as exc:
-            problem = str(exc)
-        if problem is not None:
-            log.warning(
-                "cache entry %s is corrupt or truncated (%s); rebuilding", cubin_path, problem
-            )
+            log.warning("cache entry %s is corrupt or truncated (%s); rebuilding", cubin_path, exc)
             return None
         return CompiledKernel(data, record["entry"], 0.0)
 
@@ -136,10 +151,16 @@ class CubinCache:
 
     # -- writing ---------------------------------------------------------------------
     def _cannot_store(self, exc: OSError) -> None:
-        """Raise (require_store) or warn once and go on in memory."""
+        """Raise (require_store), or warn and go on in memory: for the rest of the process
+        where the cache cannot be written at all (warned once), else for this entry."""
         if self.require_store:
             reason = exc.strerror or str(exc)
             raise CacheWriteError(f"cannot write the cache {self.root}: {reason}") from exc
+        if exc.errno not in UNWRITABLE:  # a full disk, a folder removed twice meanwhile...
+            log.warning(
+                "cubin cache %s could not store an entry (%s); kept in memory", self.root, exc
+            )
+            return
         if self._writable is not False:
             log.warning(
                 "cubin cache %s is not writable (%s); compiling in memory only", self.root, exc
@@ -156,7 +177,7 @@ class CubinCache:
         # filelock retries some open() errors until its timeout (600 s) instead of raising.
         fd, probe = tempfile.mkstemp(dir=cubin_path.parent, prefix=".probe.", suffix=".tmp")
         os.close(fd)
-        os.unlink(probe)
+        Path(probe).unlink(missing_ok=True)  # (`cache clear` may have removed it)
         lock_path = cubin_path.with_suffix(".lock")
         if remove_squatter(lock_path):
             log.warning("removed a folder or link in place of the lock file %s", lock_path)
@@ -183,9 +204,9 @@ class CubinCache:
         cubin_path = self.root / rel
         try:
             check_existing_folders(self.root, rel.parent)
-            cubin_path.parent.mkdir(parents=True, exist_ok=True)
-            check_existing_folders(self.root, rel.parent)  # as created (umask)
-            lock = self._lock(cubin_path)
+            make_folders(cubin_path.parent)
+            check_existing_folders(self.root, rel.parent)  # as created, or by another process
+            lock = _again_if_removed(lambda: self._lock(cubin_path), cubin_path.parent)
         except OSError as exc:
             self._cannot_store(exc)
             return build(), True
@@ -196,7 +217,7 @@ class CubinCache:
                 return found, False
             kernel = build()
             try:
-                self._store(cubin_path, kernel, meta)
+                _again_if_removed(lambda: self._store(cubin_path, kernel, meta), cubin_path.parent)
             except OSError as exc:
                 self._cannot_store(exc)
             return kernel, True
@@ -220,6 +241,17 @@ class CubinCache:
         # The cubin lands first and the record last: a record always names a whole cubin.
         _atomic_write(cubin_path, kernel.cubin)
         _atomic_write(meta_path, json.dumps(record, indent=1).encode())
+
+
+def _again_if_removed(write: Callable[[], T], folder: Path) -> T:
+    """``write()`` into ``folder``; where it fails on a missing folder (ENOENT), once more in
+    the folder made anew: ``cache clear`` removes the folders it empties, and a builder may
+    have made one of them a moment before (the folders above were checked then)."""
+    try:
+        return write()
+    except FileNotFoundError:
+        make_folders(folder)
+        return write()
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -1,8 +1,8 @@
 """The JSON record beside each cached cubin, and the file-system rules the cache keeps.
 
 A record binds its entry: the cache key (which is also the file name), the spec label,
-the family and arch (which are also the folders), the package version (the top folder)
-and the cubin's size and sha256. An entry copied or renamed under another key, family,
+the family and arch (which are also the folders), the package version (the top folder),
+the cubin's size and sha256, and its entry symbol (which the cubin must name). An entry copied or renamed under another key, family,
 arch or version no longer matches its record, so it is never served as another kernel.
 A record that does not parse into this shape is a corrupt entry, like a bad checksum.
 """
@@ -30,6 +30,9 @@ RECORD_FIELDS: dict[str, type] = {
     "sha256": str,
 }
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+# The tail of the name of a temporary file the cache writes: tempfile.mkstemp's 8 random
+# characters, then the suffix given (``cache clear`` tells its own temporary files by it).
+TEMP_TAIL = r"\.[a-z0-9_]{8}\.tmp"
 
 
 class InsecureCacheError(RuntimeError):
@@ -80,6 +83,10 @@ def cubin_problem(record: dict, data: bytes) -> str | None:
         return f"size {len(data)} != recorded {record['size']}"
     if hashlib.sha256(data).hexdigest() != record["sha256"]:
         return "sha256 mismatch"
+    # The entry is looked up by name on load: one the cubin does not define would fail
+    # there, and be remembered as unavailable, instead of being rebuilt here.
+    if record["entry"].encode() + b"\0" not in data:
+        return f"record entry {record['entry']!r} is not a symbol of the cubin"
     return None
 
 
@@ -109,6 +116,21 @@ def check_existing_folders(root: Path, rel_folder: Path) -> None:
         if not folder.exists():
             return
         check_owner_and_mode(folder)
+
+
+def make_folders(folder: Path) -> None:
+    """``mkdir -p folder``, each folder it creates with mode 0o755 narrowed by the umask: a
+    plain ``mkdir(parents=True)`` under umask 000 makes folders other users can write to,
+    which the cache then refuses (check_owner_and_mode). Folders that exist keep their mode."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o755)
+        except FileExistsError:  # another process made it: checked like any found folder
+            continue
 
 
 def remove_squatter(path: Path) -> bool:

@@ -47,6 +47,13 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
+@functools.cache
+def nvrtc_release() -> str:
+    """The full release of that library (``nvrtc_lib.release``): what a key names where no
+    wheel's metadata names it, and what a compile checks the metadata against."""
+    return nvrtc_lib.release()
+
+
 # NVIDIA's NVRTC wheels, in the order cuda-bindings 13 loads their libraries (.so.13 first);
 # cuda.pathfinder loads a wheel's library before a system one.
 NVRTC_WHEELS = ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12")
@@ -54,16 +61,16 @@ NVRTC_WHEELS = ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12")
 
 @functools.cache
 def installed_nvrtc_version() -> str | None:
-    """major.minor of the installed NVRTC wheel, from its metadata (under a millisecond, no
-    library loaded); None without one. A hint: the compile checks it against the library
-    (``KernelBuilder.build``), so a hint that names another NVRTC costs a load, never a
-    kernel keyed by the wrong compiler."""
+    """The installed NVRTC wheel's version, from its metadata (under a millisecond, no
+    library loaded); None without one. The full release (13.5.37), not major.minor: a patch
+    release may compile other cubins (ptxas.py, too, takes the exact release only). A hint:
+    the compile checks it against the library (``KernelBuilder.build``), so a hint that
+    names another NVRTC costs a load, never a kernel keyed by the wrong compiler."""
     for name in NVRTC_WHEELS:
         try:
-            major, minor = importlib.metadata.version(name).split(".")[:2]
-        except (importlib.metadata.PackageNotFoundError, ValueError):
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             continue
-        return f"{major}.{minor}"
     return None
 
 
@@ -105,11 +112,11 @@ def cute_dsl_refusal() -> str | None:
 
 
 def compiler_identity(compiler: str, loaded: bool = False) -> str:
-    """What the cache key records of the toolchain: the installed NVRTC wheel's version, or
+    """What the cache key records of the toolchain: the installed NVRTC wheel's release, or
     with ``loaded`` (or no wheel) the loaded library's."""
     if compiler == "cute":  # only the pinned release compiles them (cute_dsl_refusal)
         return f"cutlass-dsl {CUTE_DSL_PINNED_VERSION}"
-    version = (None if loaded else installed_nvrtc_version()) or nvrtc_version()
+    version = (None if loaded else installed_nvrtc_version()) or nvrtc_release()
     return f"nvrtc {version} {' '.join(NVRTC_OPTIONS)}"
 
 

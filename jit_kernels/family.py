@@ -81,8 +81,9 @@ class KernelFamily:
         return kernel if kernel is not None else self._load(params, device)
 
     def _ready(self, params: tuple[ParamValue, ...], device: int) -> bool:
-        """Whether ``get`` needs no compile: loaded, or its cubin in memory or on disk."""
-        if (params, device) in self._loaded:
+        """Whether ``get`` needs no compile: loaded, refused (it raises at once), or its
+        cubin in memory or on disk."""
+        if (params, device) in self._loaded or self._refusal(params, device) is not None:
             return True
         try:
             return self.builder.lookup(self.spec(params), device_arch(device)) is not None
@@ -93,11 +94,16 @@ class KernelFamily:
         """What a refusal depends on besides (params, device)."""
         return (os.environ.get(JIT_DISABLE_ENV) == "1", self.builder.cache)
 
-    def _load(self, params: tuple[ParamValue, ...], device: int) -> LoadedKernel:
+    def _refusal(self, params: tuple[ParamValue, ...], device: int) -> str | None:
+        """Why ``get`` refused (params, device) under the conditions that hold now, if it did."""
         refused = self._refused.get((params, device))
-        if refused is not None and refused[1] == self._conditions():
+        return refused[0] if refused is not None and refused[1] == self._conditions() else None
+
+    def _load(self, params: tuple[ParamValue, ...], device: int) -> LoadedKernel:
+        refused = self._refusal(params, device)
+        if refused is not None:
             # A new exception each time: re-raising one instance grows its traceback.
-            raise KernelUnavailable(refused[0])
+            raise KernelUnavailable(refused)
         try:
             compiled = self._compiled(params, device)
         except KernelUnavailable as exc:

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -37,7 +38,7 @@ from types import ModuleType
 import filelock
 
 from .cache import LOCK_TIMEOUT_S, default_cache_root, prebuilt_roots
-from .cache_record import check_owner_and_mode, remove_squatter
+from .cache_record import TEMP_TAIL, check_owner_and_mode, make_folders, remove_squatter
 from .spec import sha256_hex
 
 log = logging.getLogger("flashinfer_jit.jit")
@@ -56,6 +57,10 @@ FLAGS = ("-O1", "-shared", "-fPIC")
 LIBS = ("-ldl",)  # dlopen: in libc since glibc 2.34, in libdl before
 BUILD_TIMEOUT_S = 120.0
 FOLDER = "native"
+# The names build() writes in FOLDER, of any key and Python ABI: the launcher, its record
+# and lock, and the temporary files of the first two (``cache clear`` removes only these).
+_NAME = r"_launcher-[0-9a-f]{16}(\.[0-9A-Za-z_-]+)?\.so"
+NAMES = re.compile(rf"(?P<name>{_NAME})(\.json|\.lock)?|\.(?P<temp>{_NAME})(\.json)?{TEMP_TAIL}")
 
 
 class NativeBuildError(RuntimeError):
@@ -153,7 +158,7 @@ def build(root: Path) -> tuple[Path, bool]:
     for checked in (root, folder):  # before anything is written, built or loaded there
         if checked.exists():
             check_owner_and_mode(checked)
-    folder.mkdir(parents=True, exist_ok=True)
+    make_folders(folder)
     check_owner_and_mode(folder)
     if _trusted(root, path):
         return path, False

@@ -15,7 +15,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.metadata
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
 
 _P = ctypes.POINTER
 _PROGRAM = ctypes.c_void_p
@@ -41,37 +42,48 @@ _SIGNATURES = {
 WHEEL_MAJORS = {"nvidia-cuda-nvrtc": "13", "nvidia-cuda-nvrtc-cu12": "12"}
 
 
+def _wheel_files(major: str | None = None) -> Iterator[tuple[str, str]]:
+    """(wheel, its library file) of each installed NVRTC wheel (of CUDA ``major`` only,
+    when given)."""
+    for wheel, wheel_major in WHEEL_MAJORS.items():
+        if major not in (None, wheel_major):
+            continue
+        try:
+            dist = importlib.metadata.distribution(wheel)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        soname = f"libnvrtc.so.{wheel_major}"
+        found = [f for f in dist.files or () if f.name == soname]
+        if found:
+            yield wheel, str(dist.locate_file(found[0]))
+
+
 def wheel_library() -> str | None:
     """The installed NVRTC wheel's library for cuda-bindings' CUDA major; None without one."""
     try:
         major = importlib.metadata.version("cuda-bindings").split(".")[0]
     except importlib.metadata.PackageNotFoundError:
         return None
-    for wheel, wheel_major in WHEEL_MAJORS.items():
-        if wheel_major != major:
-            continue
-        try:
-            dist = importlib.metadata.distribution(wheel)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        soname = f"libnvrtc.so.{major}"
-        found = [f for f in dist.files or () if f.name == soname]
-        if found:
-            return str(dist.locate_file(found[0]))
-    return None
+    return next((path for _, path in _wheel_files(major)), None)
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL, str | None]:
+    """The NVRTC library, loaded, and its file (None where the loader does not say)."""
+    path = wheel_library()
+    if path is not None:
+        return ctypes.CDLL(path), path
+    # where cuda-bindings would look: conda, the system, CUDA_HOME
+    from cuda.pathfinder import load_nvidia_dynamic_lib
+
+    loaded = load_nvidia_dynamic_lib("nvrtc")
+    return ctypes.CDLL(loaded.abs_path or "libnvrtc", handle=loaded._handle_uint), loaded.abs_path
 
 
 @functools.cache
 def library() -> ctypes.CDLL:
     """The loaded NVRTC, its functions typed (the first call loads it)."""
-    path = wheel_library()
-    if path is not None:
-        lib = ctypes.CDLL(path)
-    else:  # where cuda-bindings would look: conda, the system, CUDA_HOME
-        from cuda.pathfinder import load_nvidia_dynamic_lib
-
-        loaded = load_nvidia_dynamic_lib("nvrtc")
-        lib = ctypes.CDLL(loaded.abs_path or "libnvrtc", handle=loaded._handle_uint)
+    lib = _load()[0]
     for name, argtypes in _SIGNATURES.items():
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, ctypes.c_int
@@ -90,6 +102,23 @@ def version() -> tuple[int, int]:
     major, minor = ctypes.c_int(), ctypes.c_int()
     _check(library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
     return major.value, minor.value
+
+
+@functools.cache
+def release() -> str:
+    """The loaded library's full release: nvrtcVersion names major.minor only, and a patch
+    release may compile other cubins. Its wheel's version where the library is a wheel's
+    file, else major.minor with the file's size and mtime (major.minor alone where the
+    loader names no file). Loads the library; once per process."""
+    major, minor = version()
+    path = _load()[1]
+    if path is None:
+        return f"{major}.{minor}"
+    for wheel, file in _wheel_files():
+        if os.path.exists(file) and os.path.samefile(file, path):
+            return importlib.metadata.version(wheel)
+    st = os.stat(path)
+    return f"{major}.{minor}+{st.st_size}.{st.st_mtime_ns}"
 
 
 def _strings(items: Sequence[bytes]):

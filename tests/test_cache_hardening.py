@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import stat
 from pathlib import Path
 
+import filelock
 import pytest
 
-from jit_kernels import CubinCache, InsecureCacheError, KernelBuilder, KernelSpec, cache_admin
+from jit_kernels import (
+    CompiledKernel,
+    CubinCache,
+    InsecureCacheError,
+    KernelBuilder,
+    KernelSpec,
+    cache_admin,
+    native,
+)
+from jit_kernels import build as build_mod
 from jit_kernels.cache_record import CorruptEntry, parse_record
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,6 +102,38 @@ def test_verify_reports_a_renamed_entry(cache):
     assert list(problems.values()).count(None) == 1  # OTHER is still fine
 
 
+def test_a_record_naming_another_entry_is_not_served(cache, caplog):
+    """The record's entry symbol was never checked: one naming a symbol the cubin does not
+    define was served, and on a GPU its lookup failed and was remembered as unavailable."""
+    meta_path = _entry(cache, SPEC).with_suffix(".json")
+    record = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**record, "entry": "bogus"}))
+    (bad,) = [
+        e
+        for e in cache_admin.entries(CubinCache(cache, [], VERSION))
+        if e.meta == {**record, "entry": "bogus"}
+    ]
+    assert "not a symbol" in cache_admin.verify(bad)
+    with caplog.at_level(logging.WARNING, logger="flashinfer_jit"):
+        kernel, compiled = _builder(cache).build(SPEC, "sm_90a")
+    assert compiled and "not a symbol" in caplog.text and kernel.entry == record["entry"]
+
+
+@pytest.mark.parametrize("where", ["cubin", "family folder"])
+def test_verify_reports_what_loading_refuses(cache, where):
+    """verify said 0 bad for a cubin other users can write to, which loading refuses."""
+    cubin = _entry(cache, SPEC)
+    (cubin if where == "cubin" else cubin.parent).chmod(0o666 if where == "cubin" else 0o777)
+    with pytest.raises(InsecureCacheError):
+        CubinCache(cache, [], VERSION).lookup("sm_90a", SPEC.family, cubin.stem)
+    problems = {
+        e.cubin_path: cache_admin.verify(e)
+        for e in cache_admin.entries(CubinCache(cache, [], VERSION))
+    }
+    bad = {path for path, problem in problems.items() if "writable by other users" in str(problem)}
+    assert bad == ({cubin} if where == "cubin" else set(problems)) and len(problems) == 2
+
+
 # -- item 3: a record of the wrong shape is a corrupt entry ---------------------------------
 @pytest.mark.parametrize("text", ["null", "[]", "{}", '"x"', "{not json", '{"size": true}'])
 def test_malformed_records_are_rejected(text):
@@ -164,6 +207,25 @@ def test_a_world_writable_family_folder_is_refused_before_writing(tmp_path):
     assert list(folder.iterdir()) == []
 
 
+def test_folders_made_under_umask_000_are_not_writable_by_others(tmp_path):
+    """mkdir -p under umask 000 gives 0o777 folders, which the cache then refused: every
+    first compile raised InsecureCacheError and prebuild failed every kernel."""
+    root = tmp_path / "new" / "cache"
+    stand_in = CompiledKernel(b"\x7fELF stand-in entry\0", "entry", 0.0)
+    store = CubinCache(root, [], VERSION)
+    meta = {"key": "a" * 64, "family": "fam", "label": "x", "arch": "sm_90a", "version": VERSION}
+    old = os.umask(0)
+    try:
+        _, built = store.get_or_build("sm_90a", "fam", "a" * 64, meta, lambda: stand_in)
+        native.build(root)
+    finally:
+        os.umask(old)
+    assert built and store._writable is not False
+    folders = [root.parent, *(p for p in root.parent.rglob("*") if p.is_dir())]
+    assert len(folders) == 6 and all(p.stat().st_mode & 0o777 == 0o755 for p in folders)
+    assert store.lookup("sm_90a", "fam", "a" * 64, "x") == stand_in
+
+
 # -- item 1: clear removes only what the package wrote --------------------------------------
 def _plant(root: Path) -> list[Path]:
     """Files no cubin cache wrote, under and beside the cache's own folders."""
@@ -204,3 +266,82 @@ def test_clear_one_arch_leaves_the_others(cache):
     report = cache_admin.clear(cache, ("sm_90a",))
     assert report.files > 0 and kept.exists()
     assert not (cache / VERSION / "sm_90a").exists()  # emptied, so removed
+
+
+def test_clear_keeps_what_only_looks_like_entries(cache):
+    """Names of the cache's shapes that it did not write: a record that is not one, a
+    launcher-like name, an empty folder it never wrote (all removed before)."""
+    planted = [
+        cache / "2024" / "sm_90" / "notes" / ("a" * 64 + ".json"),
+        cache / "native" / "_launcher-0123456789abcdef-notes.txt",
+        cache / VERSION / "sm_90a" / SPEC.family / ("b" * 64 + ".lock"),  # not empty
+    ]
+    for path in planted:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("user data")
+    empty = cache / "3" / "sm_80" / "fam"
+    empty.mkdir(parents=True)
+    report = cache_admin.clear(cache)
+    assert report.files > 0 and report.kept == len(planted)
+    assert all(p.read_text() == "user data" for p in planted) and empty.is_dir()
+    assert not list(cache.rglob("*.cubin"))
+
+
+def test_clear_through_a_linked_root(cache, tmp_path):
+    """A root that is a link (the user named it) was never entered: 0 files removed."""
+    link = tmp_path / "link"
+    link.symlink_to(cache)
+    files = len([p for p in cache.rglob("*") if p.is_file()])
+    assert cache_admin.clear(link, remove=False).files == files > 0
+    assert cache_admin.clear(link).files == files and not list(cache.rglob("*.cubin"))
+
+
+@pytest.mark.parametrize("bundle", [".", "..", "9.9.9"])
+def test_clear_refuses_a_prebuilt_root(cache, bundle):
+    """A bundle listed in FLASHINFER_JIT_CUBIN_PATH that is, holds or sits in the root."""
+    files = sorted(cache.rglob("*"))
+    with pytest.raises(ValueError, match="prebuilt bundle"):
+        cache_admin.clear(cache, keep=[cache / bundle])
+    assert sorted(cache.rglob("*")) == files
+
+
+# -- a clear during a build ---------------------------------------------------------------
+def test_clear_during_a_build_leaves_its_lock(cache, monkeypatch):
+    """clear unlinked the lock a builder held (a second process then took it too) and
+    pruned the folder, so the store failed and the cache was off for the process."""
+    cubin = _entry(cache, SPEC)
+    for suffix in (".cubin", ".json"):
+        cubin.with_suffix(suffix).unlink()
+    real, reports = build_mod.compile_cubin, []
+
+    def compile_and_clear(rendered, arch):
+        reports.append(cache_admin.clear(cache))
+        with pytest.raises(filelock.Timeout):
+            filelock.FileLock(str(cubin.with_suffix(".lock")), timeout=0).acquire()
+        return real(rendered, arch)
+
+    monkeypatch.setattr(build_mod, "compile_cubin", compile_and_clear)
+    builder = _builder(cache)
+    builder.build(SPEC, "sm_90a")
+    assert reports[0].busy == 1 and reports[0].files > 0  # OTHER's entry went
+    assert builder.cache._writable is not False
+    assert _builder(cache).build(SPEC, "sm_90a")[1] is False
+
+
+def test_a_store_into_a_folder_removed_meanwhile_is_retried(cache, monkeypatch, caplog):
+    """ENOENT on storing (a clear pruned the folder) made the cache in-memory for good."""
+    cubin = _entry(cache, SPEC)
+    for suffix in (".cubin", ".json"):
+        cubin.with_suffix(suffix).unlink()
+    real = build_mod.compile_cubin
+
+    def compile_and_remove(rendered, arch):
+        shutil.rmtree(cubin.parent.parent.parent)
+        return real(rendered, arch)
+
+    monkeypatch.setattr(build_mod, "compile_cubin", compile_and_remove)
+    builder = _builder(cache)
+    with caplog.at_level(logging.WARNING, logger="flashinfer_jit"):
+        builder.build(SPEC, "sm_90a")
+    assert builder.cache._writable is not False and not caplog.text
+    assert cubin.exists() and _builder(cache).build(SPEC, "sm_90a")[1] is False

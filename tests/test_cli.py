@@ -120,7 +120,7 @@ def test_each_shipped_workloads_file_round_trips(op):
 def fake_compile(monkeypatch):
     """Compiling returns a stand-in cubin at once: these tests are about storing."""
     monkeypatch.setattr(build, "compile_cubin", lambda rendered, arch: CompiledKernel(
-        b"\x7fELF stand-in for " + arch.encode(), "entry", 0.0))  # fmt: skip
+        b"\x7fELF stand-in entry\0 for " + arch.encode(), "entry", 0.0))  # fmt: skip
 
 
 def _mla_workloads(tmp_path: Path) -> str:
@@ -188,6 +188,20 @@ def test_cache_verify_of_a_malformed_record_is_a_row_not_a_traceback(
     assert "not an object" in out
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["cache", "list"], ["cache", "verify"], ["cache", "clear"], ["env"],
+     ["prebuild", "--arch", "sm_90a", "--ops", "mla_kv_pack", "-j", "1"]],
+)  # fmt: skip
+def test_a_cache_path_the_system_refuses_is_one_line(capsys, jit_cache, monkeypatch, argv):
+    """An OSError (here ENAMETOOLONG; an unreadable or immutable folder alike) is a user
+    error like the rest: one line naming the path, exit 2, no traceback."""
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(jit_cache.parent / ("x" * 300)))
+    code, _, err = _run(capsys, *argv)
+    line = _one_error_line(err)
+    assert code == 2 and "x" * 300 in line and line.endswith(": File name too long")
+
+
 # -- item 6: --output others can write to -----------------------------------------------------
 def test_a_world_writable_output_is_refused_before_writing(capsys, jit_cache, tmp_path):
     out_dir = tmp_path / "bundle"
@@ -209,6 +223,23 @@ def test_cache_clear_reports_and_keeps_foreign_files(capsys, jit_cache, fake_com
     assert code == 0 and re.search(r"removed \d+ files \(\d+ bytes\)", out), out
     assert (jit_cache / "keep.txt").read_text() == "mine"
     assert not list(jit_cache.rglob("*.cubin"))
+
+
+def test_cache_clear_refuses_a_prebuilt_bundle(
+    capsys, jit_cache, fake_compile, tmp_path, monkeypatch
+):
+    """FLASHINFER_JIT_CUBIN_PATH and FLASHINFER_JIT_CACHE_DIR naming one bundle: clear
+    deleted the bundle."""
+    from flashinfer_jit._jit import BUILDER
+
+    assert _run(capsys, "prebuild", "--arch", "sm_90a", "-j", "1",
+                "--workloads", _mla_workloads(tmp_path))[0] == 0  # fmt: skip
+    bundle = sorted(jit_cache.rglob("*"))
+    monkeypatch.setenv("FLASHINFER_JIT_CUBIN_PATH", str(jit_cache))
+    BUILDER._cache = None
+    code, _, err = _run(capsys, "cache", "clear")
+    assert code == 2 and "prebuilt bundle" in _one_error_line(err)
+    assert sorted(jit_cache.rglob("*")) == bundle
 
 
 # -- item 10: env -----------------------------------------------------------------------------
@@ -295,7 +326,7 @@ def test_prebuild_reports_what_the_compiler_warned(capsys, jit_cache, tmp_path, 
 
     def warns_for_cake(rendered, arch: str) -> CompiledKernel:
         said = warning if "cake" in rendered.spec.family else ""
-        return CompiledKernel(b"\x7fELF stand-in", "entry", 0.0, said)
+        return CompiledKernel(b"\x7fELF stand-in entry\0", "entry", 0.0, said)
 
     monkeypatch.setattr(build, "compile_cubin", warns_for_cake)
     out_dir = tmp_path / "bundle"

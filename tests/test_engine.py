@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -80,7 +81,7 @@ def test_key_changes_with_every_input(tmp_path, monkeypatch):
 def test_a_warm_lookup_does_not_load_nvrtc(tmp_path, monkeypatch):
     """The key names the installed wheel's NVRTC: finding a cached kernel loads no library
     (the load was 121 of 127 ms of a warm first call on the H200 host)."""
-    assert compile_mod.installed_nvrtc_version() == compile_mod.nvrtc_version()
+    assert compile_mod.installed_nvrtc_version() == compile_mod.nvrtc_release()
     kernel, compiled = _builder(tmp_path).build(SPEC, "sm_90a")
     assert compiled
 
@@ -88,13 +89,14 @@ def test_a_warm_lookup_does_not_load_nvrtc(tmp_path, monkeypatch):
         raise AssertionError("a warm lookup loaded NVRTC")
 
     monkeypatch.setattr(compile_mod, "nvrtc_version", no_load)
+    monkeypatch.setattr(compile_mod, "nvrtc_release", no_load)
     again, compiled = _builder(tmp_path).build(SPEC, "sm_90a")
     assert not compiled and again.cubin == kernel.cubin
     assert _builder(tmp_path).lookup(SPEC, "sm_90a").cubin == kernel.cubin
 
 
 def test_a_wheel_that_is_not_the_loaded_nvrtc_never_names_the_key(tmp_path, monkeypatch, caplog):
-    loaded = compile_mod.nvrtc_version()
+    loaded = compile_mod.nvrtc_release()
     monkeypatch.setattr(compile_mod, "installed_nvrtc_version", lambda: "98.7")
     kernel, compiled = _builder(tmp_path).build(SPEC, "sm_90a")
     assert compiled and "the installed NVRTC is" in caplog.text
@@ -105,6 +107,20 @@ def test_a_wheel_that_is_not_the_loaded_nvrtc_never_names_the_key(tmp_path, monk
     again, compiled = _builder(tmp_path).build(SPEC, "sm_90a")
     assert not compiled and again.cubin == kernel.cubin
     assert len(_cubin_files(tmp_path)) == 1
+
+
+def test_the_key_names_nvrtc_s_patch_release(tmp_path, monkeypatch):
+    """The key named NVRTC's major.minor only: a 13.5.x patch upgrade reused the cubins of
+    the release before (ptxas.py, too, takes the exact release only)."""
+    real, keys = importlib.metadata.version, []
+    for release in ("13.5.37", "13.5.40"):
+        monkeypatch.setattr(importlib.metadata, "version",
+                            lambda name, r=release: r if "nvrtc" in name else real(name))  # fmt: skip
+        compile_mod.installed_nvrtc_version.cache_clear()
+        keys.append(_builder(tmp_path).cache_key(SPEC, "sm_90a"))
+    monkeypatch.undo()
+    compile_mod.installed_nvrtc_version.cache_clear()
+    assert keys[0] != keys[1]
 
 
 def test_cold_then_disk_then_memory(tmp_path):

@@ -75,6 +75,23 @@ def test_the_library_is_the_one_cuda_bindings_loads(bindings):
         assert os.path.samefile(path, load_nvidia_dynamic_lib("nvrtc").abs_path)
 
 
+def test_the_release_is_the_wheel_s_or_the_file_s(bindings, tmp_path, monkeypatch):
+    """nvrtcVersion names major.minor only; a key needs the patch release too."""
+    path = nvrtc_lib.wheel_library()
+    if path is not None:  # the library is that wheel's file: its version, 13.5.37 say
+        assert nvrtc_lib.release() == compile_mod.installed_nvrtc_version()
+        assert nvrtc_lib.release().count(".") == 2
+    other = tmp_path / "libnvrtc.so.13"  # a library of no wheel: named by its file
+    other.write_bytes(b"x" * 10)
+    monkeypatch.setattr(nvrtc_lib, "_load", lambda: (None, str(other)))
+    nvrtc_lib.release.cache_clear()
+    try:
+        major, minor = nvrtc_lib.version()
+        assert nvrtc_lib.release() == f"{major}.{minor}+10.{other.stat().st_mtime_ns}"
+    finally:
+        nvrtc_lib.release.cache_clear()
+
+
 def test_a_kernel_compiles_as_through_cuda_bindings(bindings, tmp_path):
     tool = cuobjdump()
     if tool is None:

@@ -15,7 +15,7 @@ from flashinfer_jit import qsa
 from flashinfer_jit.mla_kv_pack import concat_mla_kv_quant_fp8
 from flashinfer_jit.mqa_logits import min_block_table_width, padded_seq_len
 from flashinfer_jit.qsa.reference import qsa_decode_torch
-from jit_kernels import PTR, KernelFamily, KernelUnavailable
+from jit_kernels import PTR, KernelFamily, KernelUnavailable, prepare
 from jit_kernels import family as family_mod
 
 from .test_mla_kv_pack import make_inputs as mla_inputs
@@ -93,8 +93,11 @@ class _NoCompiler:
     """A builder with no compiler (no CuTe DSL, no bundle): every build is an ImportError."""
 
     def __init__(self, cache: object = None):
-        self.calls = 0
+        self.calls = self.lookups = 0
         self.cache = cache if cache is not None else object()
+
+    def lookup(self, spec, arch):  # renders the template and searches the cache
+        self.lookups += 1
 
     def build(self, spec, arch):
         self.calls += 1
@@ -140,6 +143,25 @@ def test_a_refusal_is_forgotten_when_its_cause_changes(monkeypatch):
     with pytest.raises(KernelUnavailable):
         family.get((1,), 0)
     assert builder.calls == 2
+
+
+def test_prepare_of_refused_kernels_searches_nothing(monkeypatch):
+    """prepare() asked the builder for each refused kernel on every call (with JIT disabled
+    and nothing prebuilt: 8 files opened a call), not the dict lookup a get pays."""
+    monkeypatch.setattr(family_mod, "device_arch", lambda device: "sm_90a")
+    monkeypatch.delenv("FLASHINFER_JIT_DISABLE", raising=False)
+    builder = _NoCompiler()
+    family = _family(builder)
+    wanted = [(family, (1,)), (family, (2,))]
+    for call in range(3):
+        try:
+            prepare(wanted, 0)  # raises (1,)'s refusal on the first call
+        except KernelUnavailable:
+            assert call == 0
+        for _, params in wanted:
+            with pytest.raises(KernelUnavailable):
+                family.get(params, 0)
+    assert builder.lookups == 2
 
 
 @pytest.mark.gpu
