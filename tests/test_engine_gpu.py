@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from flashinfer_jit.mla_kv_pack import concat_mla_kv_quant_fp8
-from flashinfer_jit.mla_kv_pack.reference import pack_torch
+
+from .test_mla_kv_pack import codes, ref_pack
+from .test_mla_kv_pack_gpu import POISON, poisoned
 
 pytestmark = pytest.mark.gpu
 
@@ -39,27 +41,20 @@ def _inputs(tokens: int, heads: int, device: str = "cuda"):
     return kv, pe
 
 
-def _torch_reference(kv, pe):
-    key = torch.empty(*kv.shape[:2], 192, dtype=torch.float8_e4m3fn, device=kv.device)
-    value = torch.empty(*kv.shape[:2], 128, dtype=torch.float8_e4m3fn, device=kv.device)
-    pack_torch(kv, pe, key, value, 128)
-    return key, value
+def _check(kv, pe, key, value) -> None:
+    """key and value bit-exact with the independent e4m3 encoder (tests/test_mla_kv_pack.py)."""
+    want_key, want_value = ref_pack(kv, pe)
+    assert torch.equal(codes(key), want_key), "key differs from the reference"
+    assert torch.equal(codes(value), want_value), "value differs from the reference"
 
 
 @pytest.mark.parametrize("tokens,heads", [(1, 1), (33, 12), (300, 16), (64, 128), (4097, 5)])
-def test_specialized_matches_torch_bit_exact(tokens, heads, monkeypatch):
+def test_specialized_matches_reference_bit_exact(tokens, heads, monkeypatch):
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a fallback would make this vacuous
     kv, pe = _inputs(tokens, heads)
-    key = torch.full((tokens, heads, 192), 0x55, dtype=torch.uint8, device="cuda").view(
-        torch.float8_e4m3fn
-    )
-    value = torch.full((tokens, heads, 128), 0x55, dtype=torch.uint8, device="cuda").view(
-        torch.float8_e4m3fn
-    )
+    key, value = poisoned(tokens, heads, 192), poisoned(tokens, heads, 128)
     concat_mla_kv_quant_fp8(kv, pe, key, value, backend="specialized")
-    ref_key, ref_value = _torch_reference(kv, pe)
-    assert torch.equal(key.view(torch.uint8), ref_key.view(torch.uint8))
-    assert torch.equal(value.view(torch.uint8), ref_value.view(torch.uint8))
+    _check(kv, pe, key, value)
 
 
 def test_cuda_graph_replay_sees_new_inputs(monkeypatch):
@@ -76,23 +71,23 @@ def test_cuda_graph_replay_sees_new_inputs(monkeypatch):
     fresh_kv, fresh_pe = _inputs(40, 16)
     kv.copy_(fresh_kv)
     pe.copy_(fresh_pe)
+    key.view(torch.uint8).fill_(POISON)  # what the replay leaves unwritten stays poisoned
+    value.view(torch.uint8).fill_(POISON)
     graph.replay()
     torch.cuda.synchronize()
-    ref_key, ref_value = _torch_reference(kv, pe)
-    assert torch.equal(key.view(torch.uint8), ref_key.view(torch.uint8))
-    assert torch.equal(value.view(torch.uint8), ref_value.view(torch.uint8))
+    _check(kv, pe, key, value)
 
 
 def test_runs_on_a_side_stream(monkeypatch):
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
     kv, pe = _inputs(500, 12)
+    key, value = poisoned(500, 12, 192), poisoned(500, 12, 128)
     stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs and the poison first
     with torch.cuda.stream(stream):
-        key, value = concat_mla_kv_quant_fp8(kv, pe)
+        concat_mla_kv_quant_fp8(kv, pe, key, value)
     torch.cuda.current_stream().wait_stream(stream)
-    ref_key, _ = _torch_reference(kv, pe)
-    assert torch.equal(key.view(torch.uint8), ref_key.view(torch.uint8))
+    _check(kv, pe, key, value)
 
 
 def test_arch_limits_table_matches_the_device():

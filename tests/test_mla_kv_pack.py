@@ -54,7 +54,11 @@ BF16_LUT = _bf16_lut()
 
 
 def ref_codes(x: torch.Tensor) -> torch.Tensor:
-    """e4m3 codes (uint8) of a bf16 tensor, through the table; same shape, on CPU."""
+    """e4m3 codes (uint8) of a tensor, same shape, on CPU: bf16 through the table, other
+    dtypes value by value through the encoder."""
+    if x.dtype != torch.bfloat16:
+        values = x.detach().cpu().double().flatten().tolist()
+        return torch.tensor([encode_e4m3(v) for v in values], dtype=torch.uint8).view(x.shape)
     bits = x.detach().cpu().contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
     return BF16_LUT[bits]
 

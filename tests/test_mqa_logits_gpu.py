@@ -1,12 +1,17 @@
 """fp8_paged_mqa_logits on a GPU: the kernels against the float64 reference (variants,
 precisions, head dims, many requests), the generic fallback, the schedule and CUDA-graph
-replay."""
+replay.
+
+Strict mode (FLASHINFER_JIT_STRICT=1) is on in every test: a fallback to torch would hide a
+kernel bug (test_gpu_torch_path_matches takes the torch path by the env switch, no fallback).
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from flashinfer_jit import mqa_logits as mq
 from flashinfer_jit.mqa_logits import (
     MqaLogitsOptions,
     compute_paged_mqa_logits_schedule,
@@ -48,10 +53,15 @@ def variant_options(name: str) -> MqaLogitsOptions:
     return MqaLogitsOptions(config=VARIANTS[name])
 
 
-@pytest.fixture
-def variant(request, monkeypatch) -> MqaLogitsOptions:
-    """The options of the variant ``request.param``."""
+@pytest.fixture(autouse=True)
+def strict(monkeypatch):
     monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a fallback to torch would hide a kernel bug
+    monkeypatch.delenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", raising=False)
+
+
+@pytest.fixture
+def variant(request) -> MqaLogitsOptions:
+    """The options of the variant ``request.param``."""
     return variant_options(request.param)
 
 
@@ -114,7 +124,6 @@ def test_gpu_one_request(variant, length):
 
 @pytest.mark.gpu
 def test_gpu_generic_serves_when_jit_disabled(monkeypatch):
-    monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")  # a torch fallback would raise
     generic = MqaLogitsOptions(force_generic=True)  # builds (caches) the generic cubin
     run_and_check([70, 0, 5], device="cuda", next_n=1, heads=8, dim=64, options=generic)
     monkeypatch.setenv("FLASHINFER_JIT_DISABLE", "1")  # no specialization for this geometry
@@ -190,14 +199,18 @@ def test_gpu_torch_path_matches(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_fast_path_new_tensors():
-    """Repeated calls with the same shapes (the fast path) read each call's own tensors."""
+def test_gpu_fast_path_new_tensors(monkeypatch, fresh_replays):
+    """Repeated calls with the same shapes (the fast path) read each call's own tensors: the
+    first call plans, the other two replay (no full-path run: OP.prepare not called)."""
+    full, prepare = [], mq.OP.prepare
+    monkeypatch.setattr(mq.OP, "prepare", lambda args: full.append(args) or prepare(args))
     outs = []
     for seed in (1, 2, 3):
         q, kv, w, table, lens, max_len = make_inputs(
             [700, 0, 64, 1999], next_n=2, heads=64, device="cuda", seed=seed
         )
         got = fp8_paged_mqa_logits(q, kv, w, table, lens, max_len)
+        assert len(full) == 1, f"seed {seed}: {len(full)} full-path runs (not a replay)"
         assert_close(got, reference(q, kv, w, table, lens), 2e-3, name=f"seed {seed}")
         outs.append(got)
     assert not torch.equal(outs[0][0, :600], outs[1][0, :600])

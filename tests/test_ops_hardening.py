@@ -5,6 +5,7 @@ The GPU tests (marker ``gpu``) skip without one; they run on the H200."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -21,7 +22,7 @@ from jit_kernels import family as family_mod
 from .test_mla_kv_pack import make_inputs as mla_inputs
 from .test_mqa_logits import _args as mqa_args
 from .test_mqa_logits import _call as mqa_call
-from .test_qsa import add_hazards, args_of, make_case
+from .test_qsa import add_hazards, args_of, assert_close, make_case, ref_of
 
 NAN_CODE = 0x7F  # e4m3 NaN
 
@@ -38,8 +39,8 @@ def _poisoned(case: dict) -> dict:
         used = (used - {0}) | {spare}
     unused = torch.tensor(sorted(set(range(nb)) - used), device=table.device)
     assert 0 in unused.tolist()
-    poisoned = {**case, "block_table": table, "out": torch.empty_like(case["out"])}
-    clean = {**poisoned, "out": torch.empty_like(case["out"])}
+    poisoned = {**case, "block_table": table, "out": torch.full_like(case["out"], math.nan)}
+    clean = {**poisoned, "out": torch.full_like(case["out"], math.nan)}
     storage = case["k_cache"]._base if case["k_cache"]._base is not None else None
     k, v = case["k_cache"].clone(), case["v_cache"].clone()
     if storage is not None:  # the combined cache: K and V are views of one pool
@@ -77,14 +78,22 @@ def test_qsa_torch_path_ignores_nan_in_unused_blocks(shape, combined):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", QSA_SHAPES)
 @pytest.mark.parametrize("combined", [False, True])
-def test_gpu_qsa_ignores_nan_in_unused_blocks(shape, combined):
+def test_gpu_qsa_ignores_nan_in_unused_blocks(shape, combined, monkeypatch):
+    """The kernels (strict: a fallback to torch is an error) and the torch path on the GPU,
+    each into NaN outputs, against the float64 reference and bit-equal clean or poisoned."""
+    monkeypatch.setenv("FLASHINFER_JIT_STRICT", "1")
+    monkeypatch.delenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE", raising=False)
     case = add_hazards(make_case(seed=5, combined=combined, device="cuda", **shape))
     clean, poisoned = _poisoned(case)
+    ref = ref_of(clean)
     for run in (qsa.qsa_sparse_paged_attention, qsa_decode_torch):
+        clean["out"].fill_(math.nan)
+        poisoned["out"].fill_(math.nan)
         want = run(*args_of(clean)).clone()
         got = run(*args_of(poisoned)).clone()
         torch.cuda.synchronize()
         assert not torch.isnan(got).any(), run.__name__
+        assert_close(got, ref)
         assert torch.equal(got, want), run.__name__
 
 

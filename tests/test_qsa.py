@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import zlib
 
 import pytest
 import torch
@@ -232,7 +233,8 @@ def args_of(case):
 @pytest.mark.parametrize("combined", [False, True])
 @pytest.mark.parametrize("fn", [qsa_sparse_paged_decode, qsa_sparse_paged_attention])
 def test_torch_path_matches_reference(shape, combined, fn):
-    case = make_case(seed=hash((tuple(shape.items()), combined)) % 1000, combined=combined, **shape)
+    seed = zlib.crc32(repr((sorted(shape.items()), combined)).encode()) % 1000  # not hash(): salted
+    case = make_case(seed=seed, combined=combined, **shape)
     got = fn(*args_of(case))
     assert got is case["out"]
     assert_close(got, ref_of(case))
@@ -388,6 +390,8 @@ def test_kernels_compile_without_spills(arch, tmp_path):
             [tool, "-res-usage", str(path)], capture_output=True, text=True
         ).stdout
         assert "LOCAL:0" in usage and "STACK:0" in usage, f"{spec.label} spills on {arch}: {usage}"
+    if tool is None:
+        pytest.skip("cuobjdump not installed: compiled without a message, spills unchecked")
 
 
 def test_prebuild_specs_cover_workloads():

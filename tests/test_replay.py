@@ -380,20 +380,36 @@ def _qsa_variants(a: dict) -> dict:
     }  # fmt: skip
 
 
+# Where the QSA launches take addresses (launch.SlotPass, launch.DecodeLaunch): argument
+# position -> tensor, "slots" (the slot pass's buffer) or "counts" (the indices' last column).
+QSA_ADDRESSES = (
+    {0: "logical_indices", 3: "block_table", 6: "token_to_req", 8: "slots"},
+    {0: "q", 3: "k_cache", 7: "v_cache", 11: "slots", 13: "counts", 18: "out", 21: "output_gate",
+     26: "logical_indices", 28: "block_table", 33: "token_to_req"},
+)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "fn", [qsa.qsa_sparse_paged_decode, qsa.qsa_sparse_paged_attention], ids=["decode", "attn"]
 )
 @by_guard_and_key
 def test_qsa_repeat_replays_and_each_change_misses(qsa_stub, fn, by, monkeypatch):
     replay_by(monkeypatch, by)
-    stub, base = qsa_stub, qsa_args()
+    stub, base, new = qsa_stub, qsa_args(), qsa_args()
     assert stub.runs(lambda: fn(**base)) == 1
     first = stub.launches[:]
-    assert stub.runs(lambda: fn(**qsa_args())) == 0
-    # The replay's launches match the full path's, with the new call's addresses.
-    assert [launch[:2] + launch[3:] for launch in stub.launches[len(first) :]] == [
-        launch[:2] + launch[3:] for launch in first
+    assert stub.runs(lambda: fn(**new)) == 0
+    # The replay's launches are the full path's with the new call's addresses, its decode
+    # reading the slots its own slot pass wrote.
+    replayed = stub.launches[len(first) :]
+    where = {name: t.data_ptr() for name, t in new.items() if isinstance(t, torch.Tensor)}
+    counts = 4 * (new["logical_indices"].shape[1] - 1)  # the indices' last column, in bytes
+    where.update(slots=replayed[0][2][8], counts=where["logical_indices"] + counts)
+    want = [
+        (grid, block, tuple(where[at[i]] if i in at else a for i, a in enumerate(args)), smem)
+        for (grid, block, args, smem), at in zip(first, QSA_ADDRESSES, strict=True)
     ]
+    assert [(grid, block, tuple(args), smem) for grid, block, args, smem in replayed] == want
     for name, args in _qsa_variants(base).items():
         assert stub.runs(lambda args=args: fn(**args)) == 1, name
         assert stub.runs(lambda args=args: fn(**args)) == 0, name
