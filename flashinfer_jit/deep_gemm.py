@@ -24,8 +24,10 @@ values are unspecified, as in DeepGEMM, unless ``clean_logits`` writes -inf ther
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
+import types
 
 import torch
 
@@ -73,15 +75,22 @@ def _device_sms() -> int:
     return sm_count(torch.cuda.current_device())
 
 
+@functools.cache
+def _import_deep_gemm() -> types.ModuleType | None:
+    """The installed deep_gemm, imported once (a failed import searches every path entry)."""
+    try:
+        import deep_gemm
+    except ImportError:
+        return None
+    return deep_gemm
+
+
 def __getattr__(name: str) -> object:
     """DeepGEMM's other names, from the installed deep_gemm (so that importing this module
     in its place is one line); without it, ``get_num_sms`` is the device's SM count."""
     if name.startswith("__"):
         raise AttributeError(name)
-    try:
-        import deep_gemm
-    except ImportError:
-        deep_gemm = None
+    deep_gemm = sys.modules.get("deep_gemm") or _import_deep_gemm()
     if deep_gemm is sys.modules[__name__]:  # this module installed under that name
         deep_gemm = None
     if deep_gemm is not None and hasattr(deep_gemm, name):
