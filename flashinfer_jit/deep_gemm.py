@@ -10,8 +10,8 @@ with float32 epilogue and accumulator.
 ``schedule_meta`` is accepted and not read: a caller's schedule may be DeepGEMM's own, whose
 rows mean other things in the same [num_sms + 1, 2] int32 shape (an engine that swapped the
 import in one file and builds its metadata with deep_gemm in another), and the kernels split
-the work themselves (how issue 17 times them; a given split measured no faster at the skewed
-B=32 row, MQA round 21).
+the work themselves (how issue 17 times them; with a given split they measured level at
+every row of MQA run 22, BENCHMARKS.md's "schedule given" column).
 
 Lengths: ``context_lens`` [B] (row b*next_n + t sees positions <= context_lens[b] - next_n + t)
 or [B, next_n] (row b*next_n + t sees positions < context_lens[b, t]). Both reach the kernels

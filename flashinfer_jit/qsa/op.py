@@ -128,7 +128,7 @@ def qsa_sparse_paged_decode(
     output_gate: torch.Tensor, softmax_scale: float, output_scale: float,
 ) -> torch.Tensor:
     """Sparse GQA over an e4m3 paged cache, single pass: one CTA per (row, kv head) (on
-    sm_90 over many rows with short selections, the short single pass's 1-warp CTAs).
+    sm_90 over many rows with short selections, the short single pass's 1- or 2-warp CTAs).
 
     ``q``/``out``/``output_gate`` are [rows, Hq, D] bf16; ``k_cache``/``v_cache`` are
     [num_blocks, page_size, Hkv, D] e4m3 (float8_e4m3fn or uint8 codes) with any strides
@@ -146,8 +146,8 @@ def qsa_sparse_paged_attention(
 ) -> torch.Tensor:
     """``qsa_sparse_paged_decode``'s contract; small batches split the selection across CTAs.
 
-    ``use_fp8_decode_kernel(rows * Hkv, cache dtype, topk=TOPK)`` picks the single pass; below
-    the crossover each (row, kv head)'s selection is split over a thread block cluster
+    ``use_fp8_decode_kernel(rows * Hkv, cache dtype, topk=TOPK, head_dim=D)`` picks the single
+    pass; below the crossover each (row, kv head)'s selection is split over a thread block cluster
     (``kernels.launch_split``: as many CTAs as keep every cluster resident at once, one
     per SM, where that holds) whose CTAs merge their partials through distributed shared
     memory. On sm_90, calls of many rows with short selections take the short single pass
