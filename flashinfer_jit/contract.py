@@ -178,8 +178,10 @@ class Op(Generic[PlanT, OptionsT]):
         # The dispatcher drops trailing arguments equal to their schema defaults: restore them.
         defaults = tuple(a.default if isinstance(a, ScalarArg) else None for a in self.args)
 
+        # A compiled call's op runs the eager call path: its values checked, its launch
+        # replayed after the first (the trace checked only the arguments' metadata).
         def impl(*args) -> None:
-            self.serve((*args, *defaults[len(args) :]), default.options)
+            default.run((*args, *defaults[len(args) :]))
 
         registered = torch.library.custom_op(
             f"flashinfer_jit::{self.custom_op}",

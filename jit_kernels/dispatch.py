@@ -39,7 +39,11 @@ def validate_inputs() -> bool:
 def validate_values(device: torch.device) -> bool:
     """Whether an op checks the values of its inputs on ``device`` (lengths, table entries):
     always off the GPU, where reading them costs no sync and the torch path would otherwise
-    index with them as given; on a GPU under FLASHINFER_VALIDATE_INPUTS=1."""
+    index with them as given; on a GPU under FLASHINFER_VALIDATE_INPUTS=1. Never while
+    torch.compile traces (fake tensors hold no values: the compiled call checks them when
+    its custom op runs)."""
+    if torch.compiler.is_compiling():
+        return False
     return device.type != "cuda" or validate_inputs()
 
 

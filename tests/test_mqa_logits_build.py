@@ -285,3 +285,21 @@ def test_direct_kernel_compiles_for_wide_heads(tmp_path):
     sass, res = _sass(compile_cubin(render(spec, BUILDER.template_root), "sm_90a").cubin, tmp_path)
     assert "LOCAL:0" in res and "STACK:0" in res, f"{spec.label} spills: {res}"
     assert "QGMMA" in sass
+
+
+def test_compiled_calls_check_values_when_they_run():
+    """torch.compile traces the op (one graph, fake tensors: no values to check) and the
+    compiled call's custom op runs the eager call path, which checks the values (on CPU
+    always): the logits are eager's, and a length past max_seq_len is refused at run time."""
+    q, kv, w, table, lens, longest = make_inputs([10, 70], next_n=2, heads=32)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(q, kv, w, table, lens):
+        return mq.fp8_paged_mqa_logits(q, kv, w, table, lens, longest)
+
+    got, want = step(q, kv, w, table, lens), mq.fp8_paged_mqa_logits(q, kv, w, table, lens, longest)
+    assert got.shape == want.shape and got.stride() == want.stride()
+    for row, n in enumerate((9, 10, 69, 70)):  # next_n=2: rows see lengths len - 1, len
+        assert torch.equal(got[row, :n], want[row, :n])
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        step(q, kv, w, table, torch.tensor([10, 700], dtype=torch.int32))

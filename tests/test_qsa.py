@@ -305,6 +305,18 @@ def test_custom_op_fake_and_opcheck():
     torch.library.opcheck(qsa.OP.traced, (*args_of(case), True))
 
 
+def test_compiled_call_with_changing_scales():
+    """A compiled caller whose scales change (torch.compile makes the float symbolic on the
+    second value) stays one graph; the op checks the scales when it runs."""
+    case = make_case(rows=2, topk=16)
+    step = torch.compile(qsa.qsa_sparse_paged_decode, backend="aot_eager", fullgraph=True)
+    for scale in (0.125, 0.25):
+        args = args_of({**case, "softmax_scale": scale})
+        assert_close(step(*args), ref_of({**case, "softmax_scale": scale}))
+    with pytest.raises(ValueError, match="softmax_scale must be a finite real number"):
+        step(*args_of({**case, "softmax_scale": float("inf")}))
+
+
 def test_gate_and_warmup_on_cpu():
     assert use_fp8_decode_kernel(10**6, torch.float8_e4m3fn)
     assert use_fp8_decode_kernel(10**6, torch.uint8)
