@@ -70,12 +70,21 @@ def _archs(text: str | None) -> tuple[str, ...]:
         raise CliError(f"--arch: {exc}" if text is not None else str(exc)) from None
 
 
+def _given(option: str, text: str, what: str) -> str:
+    """``text``, refused where it is empty: Path("") is the current folder, and an unset
+    shell variable (``--output $DIR``) gives "" without a word."""
+    if not text.strip():
+        raise CliError(f"{option} is empty (an unset shell variable?): name {what}")
+    return text
+
+
 def _tasks(
     ops: list[str] | None, archs: tuple[str, ...], workload_file: str | None
 ) -> list[BuildTask]:
     workloads = {name: op.load_workloads() for name, op in OPS.items()}
-    if workload_file:
-        data = workload_format.load(Path(workload_file), OPS)
+    if workload_file is not None:
+        path = Path(_given("--workloads", workload_file, "a workloads file"))
+        data = workload_format.load(path, OPS)
         if ops is not None and data["op"] not in ops:
             raise CliError(f"--workloads {workload_file} is for {data['op']}, not --ops {ops}")
         workloads[data["op"]] = data
@@ -91,7 +100,7 @@ def _tasks(
 def _output(text: str | None) -> Path | None:
     if text is None:
         return None
-    output = Path(text).resolve()
+    output = Path(_given("--output", text, "the bundle's folder")).resolve()
     if output.exists() and not output.is_dir():
         raise CliError(f"--output {output} exists and is not a folder")
     return output
@@ -140,12 +149,12 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
     ops = _ops(args.ops)
     archs = _archs(args.arch)
     tasks = _tasks(ops, archs, args.workloads)
+    output = _output(args.output)  # checked in a dry run too: it reads, never writes
     if args.dry_run:  # before the cache is touched: a dry run writes nothing
         rows = [list(row) for row in kernel_counts(tasks)]
         print(table(["op", "arch", "kernels"], rows))
         print(f"{len(tasks)} kernels for {', '.join(archs)} (dry run: nothing compiled)")
         return 0
-    output = _output(args.output)
     cache = prebuild_cache(__version__, output)
     cache.check_trusted()  # a folder others can write to is refused before the first write
     print(

@@ -49,6 +49,8 @@ def _one_error_line(err: str) -> str:
         (["prebuild", "-j", "0"], "positive"),
         (["prebuild", "-j", "-1"], "positive"),
         (["prebuild", "-j", "two"], "positive"),
+        (["prebuild", "--dry-run", "--output", ""], "--output is empty"),  # not the cwd
+        (["prebuild", "--dry-run", "--workloads", " "], "--workloads is empty"),  # not all ops
         (["cache", "clear", "--arch", "../.."], "--arch"),
         (["cache", "clear", "--arch", "sm90a"], "sm90a"),
         (["cache", "verify", "--arch", "sm_90a"], "only applies"),
