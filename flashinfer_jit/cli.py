@@ -86,7 +86,9 @@ def _tasks(
         path = Path(_given("--workloads", workload_file, "a workloads file"))
         data = workload_format.load(path, OPS)
         if ops is not None and data["op"] not in ops:
-            raise CliError(f"--workloads {workload_file} is for {data['op']}, not --ops {ops}")
+            raise CliError(
+                f"--workloads {workload_file} is for {data['op']}, not --ops {','.join(ops)}"
+            )
         workloads[data["op"]] = data
         ops = ops or [data["op"]]
     tasks = []

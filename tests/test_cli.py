@@ -86,13 +86,13 @@ def test_torch_arch_syntax_is_accepted(monkeypatch):
         ("folder", "cannot read"),
         ("{not json", "not valid JSON"),
         ("[1, 2]", "JSON object"),
-        ('{"num_heads": [1]}', '"op"'),
+        ('{"num_heads": [1]}', '"op" key naming one of mla_kv_pack, mqa_logits, qsa'),
         ('{"op": "mla_kv_pack", "num_heads": [0]}', "num_heads"),
         ('{"op": "mla_kv_pack", "num_heads": [true]}', "num_heads"),
         ('{"op": "mla_kv_pack", "num_heads": ["8"]}', "num_heads"),
         ('{"op": "mla_kv_pack"}', "num_heads"),
-        ('{"op": "mla_kv_pack", "num_heads": [8], "heads": [1]}', "unknown key"),
-        ('{"op": "qsa", "configs": [{"head_dims": [96]}]}', "configs"),
+        ('{"op": "mla_kv_pack", "num_heads": [8], "heads": [1]}', "unknown key(s) heads for"),
+        ('{"op": "qsa", "configs": [{"head_dims": [96]}]}', "keys group_sizes, head_dims, page"),
         ('{"op": "mqa_logits", "next_n": [3], "num_heads": [4], "head_dim": [128],'
          ' "block_size": [64], "output_dtype": ["float32"]}', "next_n*num_heads"),
     ],
@@ -105,6 +105,12 @@ def test_bad_workloads_files_are_one_line(capsys, jit_cache, tmp_path, content, 
         path.write_text(content)
     code, _, err = _run(capsys, "prebuild", "--arch", "sm_90a", "--workloads", str(path))
     assert code == 2 and words in _one_error_line(err)
+
+
+def test_a_workloads_file_for_another_op_names_the_ops_as_given(capsys, jit_cache, tmp_path):
+    argv = ["prebuild", "--dry-run", "--ops", "mla_kv_pack,qsa", "--workloads"]
+    code, _, err = _run(capsys, *argv, str(OPS["mqa_logits"].workloads))
+    assert code == 2 and _one_error_line(err).endswith("not --ops mla_kv_pack,qsa")
 
 
 # -- item 9: one workloads format; the shipped files round-trip -----------------------------

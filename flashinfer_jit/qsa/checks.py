@@ -170,7 +170,8 @@ def _configs(value: object) -> str | None:
         return "a non-empty list of objects with keys head_dims, group_sizes, page_sizes"
     for i, config in enumerate(value):
         if not isinstance(config, dict) or set(config) != set(fields):
-            return f"a list of objects with exactly the keys {sorted(fields)} (entry {i} is not)"
+            keys = ", ".join(sorted(fields))
+            return f"a list of objects with exactly the keys {keys} (entry {i} is not)"
         for key, check in fields.items():
             rule = check(config[key])
             if rule is not None:
