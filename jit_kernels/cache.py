@@ -24,6 +24,7 @@ import platformdirs
 
 from .cache_record import (
     CACHE_DIR_ENV,
+    CUBIN_MAX_BYTES,
     CorruptEntry,
     InsecureCacheError,
     binding_problem,
@@ -31,6 +32,7 @@ from .cache_record import (
     check_owner_and_mode,
     cubin_problem,
     make_folders,
+    read_file,
     read_record,
     remove_squatter,
 )
@@ -82,8 +84,8 @@ def read_entry(root: Path, rel: Path, label: str | None = None) -> tuple[dict, b
     expected = bound_fields(rel)
     problem = binding_problem(record, expected if label is None else {**expected, "label": label})
     if problem is None:
-        check_owner_and_mode(cubin_path)
-        data = cubin_path.read_bytes()
+        data, st = read_file(cubin_path, CUBIN_MAX_BYTES)  # a regular file: never a link
+        check_owner_and_mode(cubin_path, st)
         problem = cubin_problem(record, data)
     if problem is not None:
         raise CorruptEntry(problem)
