@@ -120,16 +120,19 @@ def cubin_problem(record: dict, data: bytes) -> str | None:
     return None
 
 
-def check_owner_and_mode(path: Path, st: os.stat_result | None = None) -> None:
+def check_owner_and_mode(
+    path: Path, st: os.stat_result | None = None, named_by: str = CACHE_DIR_ENV
+) -> None:
     """InsecureCacheError where ``path`` can be written by other users (a folder with the
     sticky bit excepted) or is owned by someone other than the user or root. ``st``: its
-    stat where the caller has it (that of the file it opened and read)."""
+    stat where the caller has it (that of the file it opened and read). ``named_by``: the
+    setting that chose the folder (prebuild's ``--output``...), which the error names."""
     st = path.stat() if st is None else st
     if st.st_mode & stat.S_IWOTH and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
         raise InsecureCacheError(
             f"refusing to use {path}: it is writable by other users "
             f"(mode {stat.filemode(st.st_mode)}); a cubin is executable code. "
-            f"Run `chmod o-w {path}` or point {CACHE_DIR_ENV} elsewhere."
+            f"Run `chmod o-w {path}` or point {named_by} elsewhere."
         )
     if st.st_uid not in (os.getuid(), 0):
         raise InsecureCacheError(
@@ -138,7 +141,7 @@ def check_owner_and_mode(path: Path, st: os.stat_result | None = None) -> None:
         )
 
 
-def check_existing_folders(root: Path, rel_folder: Path) -> None:
+def check_existing_folders(root: Path, rel_folder: Path, named_by: str = CACHE_DIR_ENV) -> None:
     """check_owner_and_mode on ``root`` and each folder of ``rel_folder`` that exists, so a
     folder other users can write to is refused before anything is written into it."""
     folder = root
@@ -146,7 +149,7 @@ def check_existing_folders(root: Path, rel_folder: Path) -> None:
         folder = folder / part if part else folder
         if not folder.exists():
             return
-        check_owner_and_mode(folder)
+        check_owner_and_mode(folder, named_by=named_by)
 
 
 def make_folders(folder: Path) -> None:

@@ -239,7 +239,8 @@ def test_a_world_writable_output_is_refused_before_writing(capsys, jit_cache, tm
     out_dir.chmod(0o777)
     argv = ["prebuild", "--arch", "sm_90a", "--ops", "mla_kv_pack", "--output", str(out_dir)]
     code, _, err = _run(capsys, *argv)
-    assert code == 2 and "writable by other users" in _one_error_line(err)
+    line = _one_error_line(err)
+    assert code == 2 and "writable by other users" in line and "point --output elsewhere" in line
     assert list(out_dir.iterdir()) == []
 
 
