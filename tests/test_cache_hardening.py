@@ -99,7 +99,7 @@ def test_verify_reports_a_renamed_entry(cache):
         e.cubin_path.name: cache_admin.verify(e)
         for e in cache_admin.entries(CubinCache(cache, [], VERSION))
     }
-    assert "record key" in problems[renamed.name]
+    assert "record key" in problems[renamed.name].what
     assert list(problems.values()).count(None) == 1  # OTHER is still fine
 
 
@@ -114,7 +114,7 @@ def test_a_record_naming_another_entry_is_not_served(cache, caplog):
         for e in cache_admin.entries(CubinCache(cache, [], VERSION))
         if e.meta == {**record, "entry": "bogus"}
     ]
-    assert "not a symbol" in cache_admin.verify(bad)
+    assert "not a symbol" in cache_admin.verify(bad).what
     with caplog.at_level(logging.WARNING, logger="flashinfer_jit"):
         kernel, compiled = _builder(cache).build(SPEC, "sm_90a")
     assert compiled and "not a symbol" in caplog.text and kernel.entry == record["entry"]
@@ -131,8 +131,9 @@ def test_verify_reports_what_loading_refuses(cache, where):
         e.cubin_path: cache_admin.verify(e)
         for e in cache_admin.entries(CubinCache(cache, [], VERSION))
     }
-    bad = {path for path, problem in problems.items() if "writable by other users" in str(problem)}
+    bad = {path for path, found in problems.items() if found and found.refused}
     assert bad == ({cubin} if where == "cubin" else set(problems)) and len(problems) == 2
+    assert all("writable by other users" in problems[path].what for path in bad)
 
 
 # -- item 3: a record of the wrong shape is a corrupt entry ---------------------------------
@@ -367,7 +368,7 @@ def test_a_cache_file_not_a_small_regular_file_is_a_bad_entry(cache, tmp_path, s
     assert bundle_only.lookup("sm_90a", SPEC.family, path.stem, SPEC.label) is None  # skipped
     (bad,) = [e for e in cache_admin.entries(bundle_only, cache) if e.cubin_path.stem == path.stem]
     words = {"fifo": "not a regular file", "huge": "bytes, over", "link to /dev/zero": "a link"}
-    assert words[kind] in cache_admin.verify(bad)
+    assert words[kind] in cache_admin.verify(bad).what
     assert _builder(cache).build(SPEC, "sm_90a")[1] and stat.S_ISREG(path.lstat().st_mode)
 
 

@@ -244,6 +244,16 @@ def test_a_world_writable_output_is_refused_before_writing(capsys, jit_cache, tm
     assert list(out_dir.iterdir()) == []
 
 
+def test_cache_verify_reports_a_cache_folder_others_can_write_to(capsys, jit_cache):
+    """verify said "0 bad" of an empty cache folder that prebuild and loading refuse, and
+    of every bad entry that it is rebuilt on next use: loading raises on a refused one."""
+    jit_cache.mkdir()
+    jit_cache.chmod(0o777)
+    code, out, err = _run(capsys, "cache", "verify")
+    assert code == 1 and "writable by other users" in out and "1 entries, 1 bad" in out
+    assert "1 refused: loading raises" in err and "rebuilt" not in err
+
+
 # -- item 1: cache clear through the CLI ------------------------------------------------------
 def test_cache_clear_reports_and_keeps_foreign_files(capsys, jit_cache, fake_compile, tmp_path):
     code, _, _ = _run(capsys, "prebuild", "--arch", "sm_90a", "-j", "1",
