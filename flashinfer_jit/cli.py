@@ -1,7 +1,8 @@
 """The ``flashinfer-jit`` command: prebuild kernels, inspect the cache, report the setup.
 
 Every user error (a bad argument, environment variable or workloads file, a cache folder
-that cannot be trusted or read) is one line on stderr and exit status 2, never a traceback.
+that cannot be trusted or read) is one line on stderr and exit status 2, never a traceback;
+``env`` reports the archs variable or the cache folder among the rest instead, and exits 0.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from . import workload_format
 from ._jit import TEMPLATE_ROOT
 from ._version import __version__
 from .cli_cache import cmd_cache
-from .cli_common import CliError, table
+from .cli_common import CliError, os_error_text, table
 from .cli_env import cmd_env
 from .registry import OPS
 from .workload_format import WorkloadError
@@ -226,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flashinfer-jit: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
     except OSError as exc:  # a cache folder unreadable, immutable, a name too long...
-        what = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else exc
-        print(f"flashinfer-jit: error: {what}", file=sys.stderr)
+        print(f"flashinfer-jit: error: {os_error_text(exc)}", file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:
         print("flashinfer-jit: interrupted", file=sys.stderr)

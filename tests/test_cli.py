@@ -220,7 +220,7 @@ def test_cache_verify_of_a_malformed_record_is_a_row_not_a_traceback(
 
 @pytest.mark.parametrize(
     "argv",
-    [["cache", "list"], ["cache", "verify"], ["cache", "clear"], ["env"],
+    [["cache", "list"], ["cache", "verify"], ["cache", "clear"],
      ["prebuild", "--arch", "sm_90a", "--ops", "mla_kv_pack", "-j", "1"]],
 )  # fmt: skip
 def test_a_cache_path_the_system_refuses_is_one_line(capsys, jit_cache, monkeypatch, argv):
@@ -307,9 +307,24 @@ def test_env_reports_every_variable_and_json(capsys, jit_cache, monkeypatch):
         report["compilers"]
     )
     assert report["cache"]["dir"] == str(jit_cache) and report["cache"]["bytes"] == 0
+    assert report["cache"]["problem"] is None
     assert report["flashinfer-jit"] == cli.__version__
     code, text, _ = _run(capsys, "env")
     assert code == 0 and all(name in text for name in cli_env.VARIABLES)
+
+
+@pytest.mark.parametrize("why", ["File name too long", "writable by other users"])
+def test_env_reports_a_refused_cache_and_the_rest(capsys, jit_cache, monkeypatch, why):
+    """env failed with one line where the cache was refused: it is what one runs to see why."""
+    if why == "File name too long":
+        monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(jit_cache.parent / ("x" * 300)))
+    else:
+        jit_cache.mkdir()
+        jit_cache.chmod(0o777)
+    code, out, _ = _run(capsys, "env", "--json")
+    assert code == 0 and why in json.loads(out)["cache"]["problem"]
+    code, out, _ = _run(capsys, "env")
+    assert code == 0 and why in out and "templates" in out
 
 
 # -- item 7: pool workers die with the parent -------------------------------------------------
