@@ -1,7 +1,8 @@
 """The ``flashinfer-jit`` command: prebuild kernels, inspect the cache, report the setup.
 
 Every user error (a bad argument, environment variable or workloads file, a cache folder
-that cannot be trusted or read) is one line on stderr and exit status 2, never a traceback.
+that cannot be trusted or read) is one line on stderr and exit status 2, never a traceback;
+``env`` reports the archs variable or the cache folder among the rest instead, and exits 0.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from . import workload_format
 from ._jit import TEMPLATE_ROOT
 from ._version import __version__
 from .cli_cache import cmd_cache
-from .cli_common import CliError, table
+from .cli_common import CliError, os_error_text, table
 from .cli_env import cmd_env
 from .registry import OPS
 from .workload_format import WorkloadError
@@ -70,14 +71,25 @@ def _archs(text: str | None) -> tuple[str, ...]:
         raise CliError(f"--arch: {exc}" if text is not None else str(exc)) from None
 
 
+def _given(option: str, text: str, what: str) -> str:
+    """``text``, refused where it is empty: Path("") is the current folder, and an unset
+    shell variable (``--output $DIR``) gives "" without a word."""
+    if not text.strip():
+        raise CliError(f"{option} is empty (an unset shell variable?): name {what}")
+    return text
+
+
 def _tasks(
     ops: list[str] | None, archs: tuple[str, ...], workload_file: str | None
 ) -> list[BuildTask]:
     workloads = {name: op.load_workloads() for name, op in OPS.items()}
-    if workload_file:
-        data = workload_format.load(Path(workload_file), OPS)
+    if workload_file is not None:
+        path = Path(_given("--workloads", workload_file, "a workloads file"))
+        data = workload_format.load(path, OPS)
         if ops is not None and data["op"] not in ops:
-            raise CliError(f"--workloads {workload_file} is for {data['op']}, not --ops {ops}")
+            raise CliError(
+                f"--workloads {workload_file} is for {data['op']}, not --ops {','.join(ops)}"
+            )
         workloads[data["op"]] = data
         ops = ops or [data["op"]]
     tasks = []
@@ -91,7 +103,7 @@ def _tasks(
 def _output(text: str | None) -> Path | None:
     if text is None:
         return None
-    output = Path(text).resolve()
+    output = Path(_given("--output", text, "the bundle's folder")).resolve()
     if output.exists() and not output.is_dir():
         raise CliError(f"--output {output} exists and is not a folder")
     return output
@@ -140,12 +152,12 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
     ops = _ops(args.ops)
     archs = _archs(args.arch)
     tasks = _tasks(ops, archs, args.workloads)
+    output = _output(args.output)  # checked in a dry run too: it reads, never writes
     if args.dry_run:  # before the cache is touched: a dry run writes nothing
         rows = [list(row) for row in kernel_counts(tasks)]
         print(table(["op", "arch", "kernels"], rows))
         print(f"{len(tasks)} kernels for {', '.join(archs)} (dry run: nothing compiled)")
         return 0
-    output = _output(args.output)
     cache = prebuild_cache(__version__, output)
     cache.check_trusted()  # a folder others can write to is refused before the first write
     print(
@@ -178,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prebuild", help="compile the shipped workloads' kernels")
     p.add_argument(
         "--arch",
-        help="archs, e.g. sm_90a,sm_100a or '9.0a 10.0a' "
+        help="archs from sm_89 that NVRTC lists, e.g. sm_90a,sm_100a or '9.0a 10.0a' "
         "(default: $FLASHINFER_JIT_ARCHS, else the GPUs', else sm_90a,sm_100a,sm_103a,sm_107a)",
     )
     p.add_argument("--ops", help=f"comma-separated ops among {','.join(OPS)} (default: all)")
@@ -215,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flashinfer-jit: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
     except OSError as exc:  # a cache folder unreadable, immutable, a name too long...
-        what = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else exc
-        print(f"flashinfer-jit: error: {what}", file=sys.stderr)
+        print(f"flashinfer-jit: error: {os_error_text(exc)}", file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:
         print("flashinfer-jit: interrupted", file=sys.stderr)

@@ -7,6 +7,7 @@ import sys
 
 from jit_kernels import CubinCache, cache_admin
 from jit_kernels.arch import parse_arch_list
+from jit_kernels.cache import CUBIN_PATH_ENV
 
 from ._jit import BUILDER
 from ._version import __version__
@@ -16,7 +17,8 @@ from .cli_common import CliError, table
 def _caches() -> list[tuple[str, CubinCache]]:
     cache = BUILDER.cache
     return [("cache", cache)] + [
-        ("prebuilt", CubinCache(root, [], __version__)) for root in cache.prebuilt
+        ("prebuilt", CubinCache(root, [], __version__, named_by=CUBIN_PATH_ENV))
+        for root in cache.prebuilt
     ]
 
 
@@ -38,20 +40,21 @@ def _clear(cache: CubinCache, arch_text: str | None) -> int:
     return 0
 
 
-def _rows(verify: bool) -> tuple[list[list], int]:
-    rows, bad = [], 0
+def _rows(verify: bool) -> tuple[list[list], list[cache_admin.Problem]]:
+    """The table's rows and the problems verify found."""
+    rows, bad = [], []
     for kind, each in _caches():
         for entry in cache_admin.entries(each):
-            problem = cache_admin.verify(entry) if verify else None
-            bad += problem is not None
+            problem = cache_admin.verify(entry, each.named_by) if verify else None
+            bad += [problem] if problem else []
             meta = entry.meta
-            last = (problem or "ok") if verify else meta.get("created", "?")
+            last = (problem.what if problem else "ok") if verify else meta.get("created", "?")
             label = meta.get("label", entry.cubin_path.stem)
             rows.append([kind, meta.get("arch", "?"), label, meta.get("size", "?"), last,
                          entry.cubin_path])  # fmt: skip
         if verify:
             for found in cache_admin.other_problems(each, each.root):
-                bad += found.what != "ok"
+                bad += [found] if found.what != "ok" else []
                 rows.append([kind, "-", found.path.name, "-", found.what, found.path])
     return rows, bad
 
@@ -71,7 +74,14 @@ def cmd_cache(args: argparse.Namespace) -> int:
     rows, bad = _rows(verify)
     last = "status" if verify else "created"
     print(table(["where", "arch", "kernel", "bytes", last, "path"], rows))
-    print(f"{len(rows)} entries" + (f", {bad} bad" if verify else ""))
-    if bad:
-        print(f"{bad} bad entries: they are rebuilt on next use", file=sys.stderr)
+    print(f"{len(rows)} entries" + (f", {len(bad)} bad" if verify else ""))
+    refused = sum(problem.refused for problem in bad)
+    if len(bad) > refused:
+        print(f"{len(bad) - refused} bad entries: they are rebuilt on next use", file=sys.stderr)
+    if refused:
+        print(
+            f"{refused} refused: loading raises on them until no other user can write to them "
+            "or their folders, and they are yours or root's",
+            file=sys.stderr,
+        )
     return 1 if bad else 0

@@ -1,10 +1,15 @@
-"""What the ``flashinfer-jit`` subcommands share: the user-error type and table printing."""
+"""What the ``flashinfer-jit`` subcommands share: user errors, their text, table printing."""
 
 from __future__ import annotations
 
 
 class CliError(Exception):
     """A user error: printed as one line on stderr, exit status 2."""
+
+
+def os_error_text(exc: OSError) -> str:
+    """One line for ``exc``: the path and the system's reason, where it names them."""
+    return f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)
 
 
 def table(header: list[str], rows: list[list]) -> str:

@@ -9,10 +9,20 @@ import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from jit_kernels import alloc, arch, cache, cache_admin, dispatch, family, native
+from jit_kernels import (
+    InsecureCacheError,
+    alloc,
+    arch,
+    cache,
+    cache_admin,
+    dispatch,
+    family,
+    native,
+)
 
 from ._jit import BUILDER, TEMPLATE_ROOT
 from ._version import __version__
+from .cli_common import os_error_text
 
 # Every environment variable the package reads (tests check the source names no other).
 VARIABLES = (
@@ -91,14 +101,21 @@ def _archs_and_gpus() -> tuple[list[str] | str, list[str]]:
 
 
 def _cache_report() -> dict:
-    root = BUILDER.cache.root
-    size = cache_admin.clear(root, remove=False) if root.is_dir() else cache_admin.ClearReport()
-    return {
-        "dir": str(root),
-        "files": size.files,
-        "bytes": size.bytes,
-        "prebuilt dirs": [str(p) for p in BUILDER.cache.prebuilt],
-    }
+    """The cache's folder, its files and bytes, and why loading and prebuild refuse it
+    (``problem``: reported, not raised, like the archs; files and bytes None if unread)."""
+    store = BUILDER.cache
+    report = {"dir": str(store.root), "files": None, "bytes": None,
+              "prebuilt dirs": [str(p) for p in store.prebuilt], "problem": None}  # fmt: skip
+    try:
+        root = store.root
+        size = cache_admin.clear(root, remove=False) if root.is_dir() else cache_admin.ClearReport()
+        report.update(files=size.files, bytes=size.bytes)
+        store.check_trusted()
+    except InsecureCacheError as exc:
+        report["problem"] = str(exc)
+    except OSError as exc:  # a name too long, an unreadable folder...
+        report["problem"] = os_error_text(exc)
+    return report
 
 
 def collect() -> dict:

@@ -77,11 +77,11 @@ def validate(data: object, ops: Mapping[str, Declares], where: str = "workloads"
         raise WorkloadError(f"{where}: must be a JSON object, got a {type(data).__name__}")
     op = data.get("op")
     if op not in ops:
-        raise WorkloadError(f'{where}: needs an "op" key naming one of {sorted(ops)}')
+        raise WorkloadError(f'{where}: needs an "op" key naming one of {", ".join(sorted(ops))}')
     fields = ops[op].workload_fields
     unknown = sorted(set(data) - set(fields) - {"op", "description"})
     if unknown:
-        raise WorkloadError(f"{where}: unknown key(s) {unknown} for op {op}")
+        raise WorkloadError(f"{where}: unknown key(s) {', '.join(unknown)} for op {op}")
     for name, (required, check) in fields.items():
         if name not in data:
             if required:

@@ -8,6 +8,7 @@ launch they repeat (a replayed plan).
 from . import cache_admin
 from .arch import (
     DEFAULT_OFFLINE_ARCHS,
+    MIN_CAPABILITY,
     arch_capability,
     arch_for_capability,
     capability,
@@ -43,6 +44,7 @@ from .spec import KernelSpec
 
 __all__ = [
     "DEFAULT_OFFLINE_ARCHS",
+    "MIN_CAPABILITY",
     "F32",
     "I32",
     "I64",

@@ -11,6 +11,12 @@ import torch
 # sm_107a (Rubin) is compiled for, never run here: NVRTC 13 lists it (nvrtcGetSupportedArchs).
 DEFAULT_OFFLINE_ARCHS = ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
 ARCH_ENV = "FLASHINFER_JIT_ARCHS"
+# The oldest compute capability the package builds for and runs on: every op converts to or
+# from e4m3 (cvt.*.e4m3x2 needs sm_89). prebuild refuses older archs, the ops older devices.
+MIN_CAPABILITY = (8, 9)
+# The first compute capability of each target suffix: arch-specific ("a") from Hopper, family
+# ("f") from Blackwell. NVRTC refuses sm_89a or sm_90f ("invalid value for --nv_arch").
+SUFFIX_SINCE = {"": MIN_CAPABILITY, "a": (9, 0), "f": (10, 0)}
 
 # Opt-in dynamic shared memory one block may use, per compute capability (CUDA C++
 # Programming Guide, "Technical Specifications per Compute Capability"). Launch configs
@@ -112,17 +118,63 @@ def parse_arch_list(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(archs))
 
 
+def _name(cap: tuple[int, int]) -> str:
+    return f"sm_{cap[0]}{cap[1]}"
+
+
+def _nvrtc_capabilities() -> tuple[str, list[tuple[int, int]]] | None:
+    """(the loaded NVRTC's major.minor, the compute capabilities it compiles for); None
+    where no NVRTC loads (a node that serves bundles: a build there fails and says why)."""
+    from . import nvrtc_lib
+
+    try:
+        major, minor = nvrtc_lib.version()
+        return f"{major}.{minor}", [divmod(arch, 10) for arch in nvrtc_lib.supported_archs()]
+    except (OSError, RuntimeError, ImportError):
+        return None
+
+
+def buildable(archs: tuple[str, ...]) -> tuple[str, ...]:
+    """``archs``, where the package can build each: compute capability MIN_CAPABILITY or
+    newer, its suffix one NVRTC takes there (SUFFIX_SINCE) and, where NVRTC loads, one it
+    lists (nvrtcGetSupportedArchs). Else ValueError naming those it can build: a build
+    for another arch fails kernel by kernel."""
+    nvrtc = _nvrtc_capabilities()
+    for arch in archs:
+        cap, suffix = arch_capability(arch), arch.removeprefix("sm_").lstrip("0123456789")
+        if cap >= SUFFIX_SINCE[suffix] and (nvrtc is None or cap in nvrtc[1]):
+            continue
+        which = f"{_name(MIN_CAPABILITY)} and newer"
+        if nvrtc is not None:
+            listed = ", ".join(_name(c) for c in nvrtc[1] if c >= MIN_CAPABILITY)
+            which = f"{listed} (NVRTC {nvrtc[0]}'s from {_name(MIN_CAPABILITY)})"
+        suffixes = ", ".join(f"'{s}' from {_name(c)}" for s, c in SUFFIX_SINCE.items() if s)
+        raise ValueError(
+            f"cannot build {arch}: the package builds {which}, its ops converting e4m3; "
+            f"suffix {suffixes}"
+        )
+    return archs
+
+
 def target_archs(explicit: str | None = None) -> tuple[str, ...]:
     """Archs to build for: explicit list, else $FLASHINFER_JIT_ARCHS, else the
-    visible GPUs' archs, else the offline default (DEFAULT_OFFLINE_ARCHS)."""
+    visible GPUs' archs, else the offline default (DEFAULT_OFFLINE_ARCHS). ValueError where
+    one is malformed or cannot be built (``buildable``), saying which list it was in."""
     if explicit is not None:
-        return parse_arch_list(explicit)
+        return buildable(parse_arch_list(explicit))
     env = os.environ.get(ARCH_ENV)
     if env is not None and env != "":
+        where = f"{ARCH_ENV}={env!r}"
         try:
-            return parse_arch_list(env)
+            archs = parse_arch_list(env)
         except ValueError as exc:
-            raise ValueError(f"{ARCH_ENV}={env!r}: {exc}") from None
-    if torch.cuda.is_available():
-        return tuple(sorted({device_arch(i) for i in range(torch.cuda.device_count())}))
-    return DEFAULT_OFFLINE_ARCHS
+            raise ValueError(f"{where}: {exc}") from None
+    elif torch.cuda.is_available():
+        where = "the GPUs' archs"
+        archs = tuple(sorted({device_arch(i) for i in range(torch.cuda.device_count())}))
+    else:
+        where, archs = "the default archs", DEFAULT_OFFLINE_ARCHS
+    try:
+        return buildable(archs)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None

@@ -24,6 +24,7 @@ import platformdirs
 
 from .cache_record import (
     CACHE_DIR_ENV,
+    CUBIN_MAX_BYTES,
     CorruptEntry,
     InsecureCacheError,
     binding_problem,
@@ -31,6 +32,7 @@ from .cache_record import (
     check_owner_and_mode,
     cubin_problem,
     make_folders,
+    read_file,
     read_record,
     remove_squatter,
 )
@@ -72,18 +74,21 @@ def bound_fields(rel: Path) -> dict[str, str]:
     return {"key": rel.stem, "family": family, "arch": arch, "version": version}
 
 
-def read_entry(root: Path, rel: Path, label: str | None = None) -> tuple[dict, bytes]:
+def read_entry(
+    root: Path, rel: Path, label: str | None = None, named_by: str = CACHE_DIR_ENV
+) -> tuple[dict, bytes]:
     """(record, cubin) of the entry at ``root/rel``, bound to its folders and file name (and
     ``label``, when given). CorruptEntry when it is not intact or not bound so; an OSError
-    where it cannot be read; InsecureCacheError where others can write to it or its folders."""
-    check_existing_folders(root, rel.parent)
+    where it cannot be read; InsecureCacheError where others can write to it or its folders
+    (naming ``named_by``, the setting that chose ``root``)."""
+    check_existing_folders(root, rel.parent, named_by)
     cubin_path = root / rel
     record = read_record(cubin_path.with_suffix(".json"))
     expected = bound_fields(rel)
     problem = binding_problem(record, expected if label is None else {**expected, "label": label})
     if problem is None:
-        check_owner_and_mode(cubin_path)
-        data = cubin_path.read_bytes()
+        data, st = read_file(cubin_path, CUBIN_MAX_BYTES)  # a regular file: never a link
+        check_owner_and_mode(cubin_path, st, named_by)
         problem = cubin_problem(record, data)
     if problem is not None:
         raise CorruptEntry(problem)
@@ -104,7 +109,8 @@ class CubinCache:
     """A writable root plus read-only prebuilt roots searched first.
 
     ``require_store``: failing to store an entry raises CacheWriteError instead of
-    compiling in memory (``prebuild`` wants every kernel on disk or an error).
+    compiling in memory (``prebuild`` wants every kernel on disk or an error). ``named_by``:
+    the setting that chose ``root``, which a refusal of it names (prebuild's ``--output``).
     """
 
     def __init__(
@@ -113,11 +119,13 @@ class CubinCache:
         prebuilt: list[Path] | None = None,
         version: str = "",
         require_store: bool = False,
+        named_by: str = CACHE_DIR_ENV,
     ):
         self.root = root
         self.prebuilt = prebuilt or []
         self.version = version
         self.require_store = require_store
+        self.named_by = named_by
         self._writable: bool | None = None
 
     def _relative(self, arch: str, family: str, key: str) -> Path:
@@ -130,7 +138,8 @@ class CubinCache:
         if not meta_path.exists() and not meta_path.is_symlink():
             return None
         try:  # InsecureCacheError propagates: other users can write there
-            record, data = read_entry(root, rel, label)
+            named_by = self.named_by if root == self.root else CUBIN_PATH_ENV
+            record, data = read_entry(root, rel, label, named_by)
         except (OSError, CorruptEntry) as exc:
             log.warning("cache entry %s is corrupt or truncated (%s); rebuilding", cubin_path, exc)
             return None
@@ -170,7 +179,7 @@ class CubinCache:
     def check_trusted(self) -> None:
         """InsecureCacheError where the root (or its version folder) exists and other users
         can write to it: checked before the first write, not only when reading back."""
-        check_existing_folders(self.root, Path(self.version))
+        check_existing_folders(self.root, Path(self.version), self.named_by)
 
     def _lock(self, cubin_path: Path) -> filelock.FileLock:
         # A folder that cannot be written (read-only or immutable) must fail here, at once:
@@ -203,9 +212,10 @@ class CubinCache:
         rel = self._relative(arch, family, key)
         cubin_path = self.root / rel
         try:
-            check_existing_folders(self.root, rel.parent)
+            check_existing_folders(self.root, rel.parent, self.named_by)
             make_folders(cubin_path.parent)
-            check_existing_folders(self.root, rel.parent)  # as created, or by another process
+            # again: the folders as created here, or by another process meanwhile
+            check_existing_folders(self.root, rel.parent, self.named_by)
             lock = _again_if_removed(lambda: self._lock(cubin_path), cubin_path.parent)
         except OSError as exc:
             self._cannot_store(exc)

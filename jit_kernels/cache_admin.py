@@ -28,10 +28,12 @@ import filelock
 from . import native
 from .cache import CUBIN_PATH_ENV, CacheEntry, CubinCache, bound_fields, read_entry
 from .cache_record import (
+    CACHE_DIR_ENV,
     TEMP_TAIL,
     CorruptEntry,
     InsecureCacheError,
     binding_problem,
+    check_existing_folders,
     read_record,
 )
 
@@ -65,10 +67,12 @@ def family_folders(root: Path, archs: tuple[str, ...] | None = None) -> Iterator
 # -- list and verify -------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """Something verify found that is not an entry (a folder where a lock file goes...)."""
+    """What verify found at ``path``. ``refused``: loading raises on it (others can write to
+    it or a folder above it, or another user owns it) instead of rebuilding it."""
 
     path: Path
     what: str
+    refused: bool = False
 
 
 def entries(cache: CubinCache, root: Path | None = None) -> Iterator[CacheEntry]:
@@ -83,20 +87,30 @@ def entries(cache: CubinCache, root: Path | None = None) -> Iterator[CacheEntry]
         yield CacheEntry(meta_path.with_suffix(".cubin"), meta)
 
 
-def verify(entry: CacheEntry) -> str | None:
+def verify(entry: CacheEntry, named_by: str = CACHE_DIR_ENV) -> Problem | None:
     """None when loading would serve the entry (intact, bound to its place, not writable by
-    other users, nor its folders), else what is wrong with it."""
+    other users, nor its folders), else what is wrong with it (naming ``named_by``, the
+    setting that chose its root, where it is refused)."""
     root = entry.cubin_path.parents[3]
     try:
-        read_entry(root, entry.cubin_path.relative_to(root))
-    except (OSError, CorruptEntry, InsecureCacheError) as exc:
-        return str(exc)
+        read_entry(root, entry.cubin_path.relative_to(root), named_by=named_by)
+    except InsecureCacheError as exc:
+        return Problem(entry.cubin_path, str(exc), refused=True)
+    except (OSError, CorruptEntry) as exc:
+        return Problem(entry.cubin_path, str(exc))
     return None
 
 
 def other_problems(cache: CubinCache, root: Path) -> list[Problem]:
-    """Lock paths that are folders, and native launchers that fail their record."""
-    found = [
+    """The root or version folder where others can write to it (refused by loading and
+    prebuild, entries or none), lock paths that are folders, and native launchers that fail
+    their record."""
+    found = []
+    try:
+        check_existing_folders(root, Path(cache.version), cache.named_by)
+    except InsecureCacheError as exc:
+        found.append(Problem(root, str(exc), refused=True))
+    found += [
         Problem(p, "lock path is a folder")
         for p in sorted((root / cache.version).glob("*/*/*.lock"))
         if p.is_dir()

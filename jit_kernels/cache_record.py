@@ -9,6 +9,7 @@ A record that does not parse into this shape is a corrupt entry, like a bad chec
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -33,6 +34,15 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 # The tail of the name of a temporary file the cache writes: tempfile.mkstemp's 8 random
 # characters, then the suffix given (``cache clear`` tells its own temporary files by it).
 TEMP_TAIL = r"\.[a-z0-9_]{8}\.tmp"
+# The most the cache reads of one file (read_file), so a wrong file costs no more: a record
+# linked to /dev/zero ran `cache list` out of memory. A record is under 1 KB (more where it
+# keeps ptxas's warnings, compiler_messages): 1 MiB is a wide margin. The largest cubin seen
+# is 0.9 MB, the native launcher 32 KB: 256 MiB only bounds a file that is neither.
+RECORD_MAX_BYTES = 1 << 20
+CUBIN_MAX_BYTES = 256 << 20
+# Never through a link (O_NOFOLLOW), never waiting on a FIFO without a writer (O_NONBLOCK:
+# the open returns at once, and fstat then refuses it), where the platform has the flags.
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 class InsecureCacheError(RuntimeError):
@@ -60,10 +70,30 @@ def parse_record(text: str) -> dict:
     return record
 
 
+def read_file(path: Path, limit: int) -> tuple[bytes, os.stat_result]:
+    """(the bytes of ``path``, its stat) where it is a regular file of at most ``limit``
+    bytes; CorruptEntry where it is a link, a FIFO, a device, a folder or larger (it is
+    opened first, so nothing blocks or is read); OSError where it cannot be opened."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # what O_NOFOLLOW says of a link
+            raise CorruptEntry(f"{path.name} is a link (not followed)") from None
+        raise
+    with os.fdopen(fd, "rb") as file:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            mode = stat.filemode(st.st_mode)
+            raise CorruptEntry(f"{path.name} is not a regular file (mode {mode})")
+        if st.st_size > limit:
+            raise CorruptEntry(f"{path.name} is {st.st_size} bytes, over the {limit} read")
+        return file.read(limit), st  # a file grown since fstat: cut, then a bad checksum
+
+
 def read_record(meta_path: Path) -> dict:
     """parse_record of a file; CorruptEntry also when it cannot be read (e.g. a folder)."""
     try:
-        return parse_record(meta_path.read_text())
+        return parse_record(read_file(meta_path, RECORD_MAX_BYTES)[0].decode())
     except (OSError, UnicodeDecodeError) as exc:
         raise CorruptEntry(f"record unreadable ({exc})") from None
 
@@ -90,15 +120,19 @@ def cubin_problem(record: dict, data: bytes) -> str | None:
     return None
 
 
-def check_owner_and_mode(path: Path) -> None:
+def check_owner_and_mode(
+    path: Path, st: os.stat_result | None = None, named_by: str = CACHE_DIR_ENV
+) -> None:
     """InsecureCacheError where ``path`` can be written by other users (a folder with the
-    sticky bit excepted) or is owned by someone other than the user or root."""
-    st = path.stat()
+    sticky bit excepted) or is owned by someone other than the user or root. ``st``: its
+    stat where the caller has it (that of the file it opened and read). ``named_by``: the
+    setting that chose the folder (prebuild's ``--output``...), which the error names."""
+    st = path.stat() if st is None else st
     if st.st_mode & stat.S_IWOTH and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
         raise InsecureCacheError(
             f"refusing to use {path}: it is writable by other users "
             f"(mode {stat.filemode(st.st_mode)}); a cubin is executable code. "
-            f"Run `chmod o-w {path}` or point {CACHE_DIR_ENV} elsewhere."
+            f"Run `chmod o-w {path}` or point {named_by} elsewhere."
         )
     if st.st_uid not in (os.getuid(), 0):
         raise InsecureCacheError(
@@ -107,7 +141,7 @@ def check_owner_and_mode(path: Path) -> None:
         )
 
 
-def check_existing_folders(root: Path, rel_folder: Path) -> None:
+def check_existing_folders(root: Path, rel_folder: Path, named_by: str = CACHE_DIR_ENV) -> None:
     """check_owner_and_mode on ``root`` and each folder of ``rel_folder`` that exists, so a
     folder other users can write to is refused before anything is written into it."""
     folder = root
@@ -115,7 +149,7 @@ def check_existing_folders(root: Path, rel_folder: Path) -> None:
         folder = folder / part if part else folder
         if not folder.exists():
             return
-        check_owner_and_mode(folder)
+        check_owner_and_mode(folder, named_by=named_by)
 
 
 def make_folders(folder: Path) -> None:

@@ -38,7 +38,15 @@ from types import ModuleType
 import filelock
 
 from .cache import LOCK_TIMEOUT_S, default_cache_root, prebuilt_roots
-from .cache_record import TEMP_TAIL, check_owner_and_mode, make_folders, remove_squatter
+from .cache_record import (
+    CUBIN_MAX_BYTES,
+    RECORD_MAX_BYTES,
+    TEMP_TAIL,
+    check_owner_and_mode,
+    make_folders,
+    read_file,
+    remove_squatter,
+)
 from .spec import sha256_hex
 
 log = logging.getLogger("flashinfer_jit.jit")
@@ -93,9 +101,9 @@ def _record_path(path: Path) -> Path:
 def launcher_problem(path: Path) -> str | None:
     """None when the launcher at ``path`` matches the record written beside it."""
     try:
-        record = json.loads(_record_path(path).read_text())
-        data = path.read_bytes()
-    except (OSError, ValueError) as exc:
+        record = json.loads(read_file(_record_path(path), RECORD_MAX_BYTES)[0])
+        data = read_file(path, CUBIN_MAX_BYTES)[0]
+    except (OSError, ValueError) as exc:  # CorruptEntry (a link, a FIFO, too large) too
         return f"launcher or its record unreadable ({exc})"
     if not isinstance(record, dict) or record.get("size") != len(data):
         return "launcher size differs from its record"

@@ -37,6 +37,8 @@ _SIGNATURES = {
     "nvrtcGetPTX": (_PROGRAM, ctypes.c_char_p),
     "nvrtcGetCUBINSize": (_PROGRAM, _P(ctypes.c_size_t)),
     "nvrtcGetCUBIN": (_PROGRAM, ctypes.c_char_p),
+    "nvrtcGetNumSupportedArchs": (_P(ctypes.c_int),),
+    "nvrtcGetSupportedArchs": (_P(ctypes.c_int),),
 }
 # NVRTC wheel -> the CUDA major of the library it ships (libnvrtc.so.<major>)
 WHEEL_MAJORS = {"nvidia-cuda-nvrtc": "13", "nvidia-cuda-nvrtc-cu12": "12"}
@@ -102,6 +104,17 @@ def version() -> tuple[int, int]:
     major, minor = ctypes.c_int(), ctypes.c_int()
     _check(library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
     return major.value, minor.value
+
+
+@functools.cache
+def supported_archs() -> tuple[int, ...]:
+    """The compute capabilities the library compiles for, as NVRTC numbers them (89: 8.9,
+    100: 10.0). Loads the library."""
+    count = ctypes.c_int()
+    _check(library().nvrtcGetNumSupportedArchs(ctypes.byref(count)), "nvrtcGetNumSupportedArchs")
+    archs = (ctypes.c_int * count.value)()
+    _check(library().nvrtcGetSupportedArchs(archs), "nvrtcGetSupportedArchs")
+    return tuple(archs)
 
 
 @functools.cache

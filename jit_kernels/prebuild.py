@@ -43,7 +43,7 @@ def prebuild_cache(version: str, output: Path | None) -> CubinCache:
     """The cache ``prebuild`` writes: every kernel must land on disk (require_store)."""
     # A bundle must be self-contained, so it is built without reading other roots.
     if output is not None:
-        return CubinCache(output, [], version, require_store=True)
+        return CubinCache(output, [], version, require_store=True, named_by="--output")
     return CubinCache(default_cache_root(), prebuilt_roots(), version, require_store=True)
 
 

@@ -20,6 +20,7 @@ from jit_kernels import (
     KernelBuilder,
     KernelSpec,
     cache_admin,
+    cache_record,
     native,
 )
 from jit_kernels import build as build_mod
@@ -98,7 +99,7 @@ def test_verify_reports_a_renamed_entry(cache):
         e.cubin_path.name: cache_admin.verify(e)
         for e in cache_admin.entries(CubinCache(cache, [], VERSION))
     }
-    assert "record key" in problems[renamed.name]
+    assert "record key" in problems[renamed.name].what
     assert list(problems.values()).count(None) == 1  # OTHER is still fine
 
 
@@ -113,7 +114,7 @@ def test_a_record_naming_another_entry_is_not_served(cache, caplog):
         for e in cache_admin.entries(CubinCache(cache, [], VERSION))
         if e.meta == {**record, "entry": "bogus"}
     ]
-    assert "not a symbol" in cache_admin.verify(bad)
+    assert "not a symbol" in cache_admin.verify(bad).what
     with caplog.at_level(logging.WARNING, logger="flashinfer_jit"):
         kernel, compiled = _builder(cache).build(SPEC, "sm_90a")
     assert compiled and "not a symbol" in caplog.text and kernel.entry == record["entry"]
@@ -130,8 +131,9 @@ def test_verify_reports_what_loading_refuses(cache, where):
         e.cubin_path: cache_admin.verify(e)
         for e in cache_admin.entries(CubinCache(cache, [], VERSION))
     }
-    bad = {path for path, problem in problems.items() if "writable by other users" in str(problem)}
+    bad = {path for path, found in problems.items() if found and found.refused}
     assert bad == ({cubin} if where == "cubin" else set(problems)) and len(problems) == 2
+    assert all("writable by other users" in problems[path].what for path in bad)
 
 
 # -- item 3: a record of the wrong shape is a corrupt entry ---------------------------------
@@ -345,3 +347,34 @@ def test_a_store_into_a_folder_removed_meanwhile_is_retried(cache, monkeypatch, 
         builder.build(SPEC, "sm_90a")
     assert builder.cache._writable is not False and not caplog.text
     assert cubin.exists() and _builder(cache).build(SPEC, "sm_90a")[1] is False
+
+
+# -- a cache file is read only where it is a regular file of a bounded size -------------------
+@pytest.mark.parametrize("suffix", [".json", ".cubin"])
+@pytest.mark.parametrize("kind", ["link to /dev/zero", "fifo", "huge"])
+def test_a_cache_file_not_a_small_regular_file_is_a_bad_entry(cache, tmp_path, suffix, kind):
+    """A record linked to /dev/zero ran `cache list` out of memory; a FIFO hung it."""
+    path = _entry(cache, SPEC).with_suffix(suffix)
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "huge":  # sparse: over the cap without taking the disk space
+        cap = {".json": cache_record.RECORD_MAX_BYTES, ".cubin": cache_record.CUBIN_MAX_BYTES}
+        with path.open("wb") as f:
+            f.truncate(cap[suffix] + 1)
+    else:
+        path.symlink_to("/dev/zero")
+    bundle_only = CubinCache(tmp_path / "empty", [cache], VERSION)
+    assert bundle_only.lookup("sm_90a", SPEC.family, path.stem, SPEC.label) is None  # skipped
+    (bad,) = [e for e in cache_admin.entries(bundle_only, cache) if e.cubin_path.stem == path.stem]
+    words = {"fifo": "not a regular file", "huge": "bytes, over", "link to /dev/zero": "a link"}
+    assert words[kind] in cache_admin.verify(bad).what
+    assert _builder(cache).build(SPEC, "sm_90a")[1] and stat.S_ISREG(path.lstat().st_mode)
+
+
+def test_verify_of_a_launcher_record_that_is_a_fifo_does_not_hang(tmp_path):
+    launcher = tmp_path / native.FOLDER / "_launcher-0123456789abcdef.so"
+    launcher.parent.mkdir()
+    launcher.write_bytes(b"\x7fELF")
+    os.mkfifo(launcher.with_name(launcher.name + ".json"))
+    assert "not a regular file" in native.launcher_problem(launcher)

@@ -49,6 +49,8 @@ def _one_error_line(err: str) -> str:
         (["prebuild", "-j", "0"], "positive"),
         (["prebuild", "-j", "-1"], "positive"),
         (["prebuild", "-j", "two"], "positive"),
+        (["prebuild", "--dry-run", "--output", ""], "--output is empty"),  # not the cwd
+        (["prebuild", "--dry-run", "--workloads", " "], "--workloads is empty"),  # not all ops
         (["cache", "clear", "--arch", "../.."], "--arch"),
         (["cache", "clear", "--arch", "sm90a"], "sm90a"),
         (["cache", "verify", "--arch", "sm_90a"], "only applies"),
@@ -61,7 +63,15 @@ def test_bad_arguments_are_one_line_and_exit_2(capsys, jit_cache, argv, words):
     assert not jit_cache.exists() or not any(jit_cache.rglob("*.cubin"))
 
 
-@pytest.mark.parametrize("value", ["sm_xx", "9.0a,bogus", ", ,", "sm90a"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_50", "sm_999", "sm_89a", "sm_90f", "8.6"])
+def test_an_arch_the_package_cannot_build_is_refused(capsys, jit_cache, arch):
+    """sm_80 and the like were listed by --dry-run, then failed kernel by kernel."""
+    code, _, err = _run(capsys, "prebuild", "--dry-run", "--arch", arch)
+    line = _one_error_line(err)
+    assert code == 2 and "cannot build sm_" in line and "the package builds sm_89, sm_90," in line
+
+
+@pytest.mark.parametrize("value", ["sm_xx", "9.0a,bogus", ", ,", "sm90a", "8.6"])
 def test_a_bad_arch_variable_is_one_line(capsys, jit_cache, monkeypatch, value):
     monkeypatch.setenv("FLASHINFER_JIT_ARCHS", value)
     code, _, err = _run(capsys, "prebuild", "--ops", "mla_kv_pack")
@@ -73,8 +83,22 @@ def test_torch_arch_syntax_is_accepted(monkeypatch):
 
     assert target_archs("9.0a 10.0a") == ("sm_90a", "sm_100a")
     assert target_archs("9.0a;10.3a,sm_90a") == ("sm_90a", "sm_103a")
+    assert target_archs("8.9 sm_100f 12.0a") == ("sm_89", "sm_100f", "sm_120a")
     monkeypatch.setenv("FLASHINFER_JIT_ARCHS", "9.0a 10.0a")
     assert target_archs() == ("sm_90a", "sm_100a")
+
+
+def test_without_nvrtc_archs_from_8_9_are_accepted(monkeypatch):
+    """A machine whose NVRTC does not load cannot ask it which archs it compiles for."""
+    from jit_kernels import nvrtc_lib, target_archs
+
+    def no_nvrtc() -> tuple[int, ...]:
+        raise OSError("libnvrtc.so.13: cannot open shared object file")
+
+    monkeypatch.setattr(nvrtc_lib, "supported_archs", no_nvrtc)
+    assert target_archs("sm_999,sm_89") == ("sm_999", "sm_89")
+    with pytest.raises(ValueError, match=r"cannot build sm_86: the package builds sm_89 and newer"):
+        target_archs("sm_86")
 
 
 @pytest.mark.parametrize(
@@ -84,13 +108,13 @@ def test_torch_arch_syntax_is_accepted(monkeypatch):
         ("folder", "cannot read"),
         ("{not json", "not valid JSON"),
         ("[1, 2]", "JSON object"),
-        ('{"num_heads": [1]}', '"op"'),
+        ('{"num_heads": [1]}', '"op" key naming one of mla_kv_pack, mqa_logits, qsa'),
         ('{"op": "mla_kv_pack", "num_heads": [0]}', "num_heads"),
         ('{"op": "mla_kv_pack", "num_heads": [true]}', "num_heads"),
         ('{"op": "mla_kv_pack", "num_heads": ["8"]}', "num_heads"),
         ('{"op": "mla_kv_pack"}', "num_heads"),
-        ('{"op": "mla_kv_pack", "num_heads": [8], "heads": [1]}', "unknown key"),
-        ('{"op": "qsa", "configs": [{"head_dims": [96]}]}', "configs"),
+        ('{"op": "mla_kv_pack", "num_heads": [8], "heads": [1]}', "unknown key(s) heads for"),
+        ('{"op": "qsa", "configs": [{"head_dims": [96]}]}', "keys group_sizes, head_dims, page"),
         ('{"op": "mqa_logits", "next_n": [3], "num_heads": [4], "head_dim": [128],'
          ' "block_size": [64], "output_dtype": ["float32"]}', "next_n*num_heads"),
     ],
@@ -103,6 +127,12 @@ def test_bad_workloads_files_are_one_line(capsys, jit_cache, tmp_path, content, 
         path.write_text(content)
     code, _, err = _run(capsys, "prebuild", "--arch", "sm_90a", "--workloads", str(path))
     assert code == 2 and words in _one_error_line(err)
+
+
+def test_a_workloads_file_for_another_op_names_the_ops_as_given(capsys, jit_cache, tmp_path):
+    argv = ["prebuild", "--dry-run", "--ops", "mla_kv_pack,qsa", "--workloads"]
+    code, _, err = _run(capsys, *argv, str(OPS["mqa_logits"].workloads))
+    assert code == 2 and _one_error_line(err).endswith("not --ops mla_kv_pack,qsa")
 
 
 # -- item 9: one workloads format; the shipped files round-trip -----------------------------
@@ -190,7 +220,7 @@ def test_cache_verify_of_a_malformed_record_is_a_row_not_a_traceback(
 
 @pytest.mark.parametrize(
     "argv",
-    [["cache", "list"], ["cache", "verify"], ["cache", "clear"], ["env"],
+    [["cache", "list"], ["cache", "verify"], ["cache", "clear"],
      ["prebuild", "--arch", "sm_90a", "--ops", "mla_kv_pack", "-j", "1"]],
 )  # fmt: skip
 def test_a_cache_path_the_system_refuses_is_one_line(capsys, jit_cache, monkeypatch, argv):
@@ -209,8 +239,19 @@ def test_a_world_writable_output_is_refused_before_writing(capsys, jit_cache, tm
     out_dir.chmod(0o777)
     argv = ["prebuild", "--arch", "sm_90a", "--ops", "mla_kv_pack", "--output", str(out_dir)]
     code, _, err = _run(capsys, *argv)
-    assert code == 2 and "writable by other users" in _one_error_line(err)
+    line = _one_error_line(err)
+    assert code == 2 and "writable by other users" in line and "point --output elsewhere" in line
     assert list(out_dir.iterdir()) == []
+
+
+def test_cache_verify_reports_a_cache_folder_others_can_write_to(capsys, jit_cache):
+    """verify said "0 bad" of an empty cache folder that prebuild and loading refuse, and
+    of every bad entry that it is rebuilt on next use: loading raises on a refused one."""
+    jit_cache.mkdir()
+    jit_cache.chmod(0o777)
+    code, out, err = _run(capsys, "cache", "verify")
+    assert code == 1 and "writable by other users" in out and "1 entries, 1 bad" in out
+    assert "1 refused: loading raises" in err and "rebuilt" not in err
 
 
 # -- item 1: cache clear through the CLI ------------------------------------------------------
@@ -266,9 +307,24 @@ def test_env_reports_every_variable_and_json(capsys, jit_cache, monkeypatch):
         report["compilers"]
     )
     assert report["cache"]["dir"] == str(jit_cache) and report["cache"]["bytes"] == 0
+    assert report["cache"]["problem"] is None
     assert report["flashinfer-jit"] == cli.__version__
     code, text, _ = _run(capsys, "env")
     assert code == 0 and all(name in text for name in cli_env.VARIABLES)
+
+
+@pytest.mark.parametrize("why", ["File name too long", "writable by other users"])
+def test_env_reports_a_refused_cache_and_the_rest(capsys, jit_cache, monkeypatch, why):
+    """env failed with one line where the cache was refused: it is what one runs to see why."""
+    if why == "File name too long":
+        monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(jit_cache.parent / ("x" * 300)))
+    else:
+        jit_cache.mkdir()
+        jit_cache.chmod(0o777)
+    code, out, _ = _run(capsys, "env", "--json")
+    assert code == 0 and why in json.loads(out)["cache"]["problem"]
+    code, out, _ = _run(capsys, "env")
+    assert code == 0 and why in out and "templates" in out
 
 
 # -- item 7: pool workers die with the parent -------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from jit_kernels import KernelSpec, capability, validate_values
+from jit_kernels import MIN_CAPABILITY, KernelSpec, capability, validate_values
 from jit_kernels.args import require_no_overlap
 
 from .._jit import cuda_device_index
@@ -81,7 +81,7 @@ class MqaLogits(Op[Launch, MqaLogitsOptions]):
 
     def refusal(self, args: tuple) -> str | None:
         q, kv_fused = args[0], args[1]
-        if capability(cuda_device_index(q)) < (8, 9):
+        if capability(cuda_device_index(q)) < MIN_CAPABILITY:
             return "compute capability below 8.9 (no e4m3 conversions)"
         if kv_fused.data_ptr() % 16 or q.data_ptr() % 16:
             return "kv_fused or q is not 16-byte aligned"

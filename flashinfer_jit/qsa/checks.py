@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from jit_kernels import capability
+from jit_kernels import MIN_CAPABILITY, capability
 from jit_kernels.args import require_no_overlap
 
 from .._jit import cuda_device_index
@@ -137,7 +137,7 @@ def kernel_refusal(q, k_cache, v_cache, logical_indices, out, output_gate) -> st
     """Why the kernels cannot serve this call (None when they can)."""
     if q.device.type != "cuda":
         return "tensors are not on a CUDA device"
-    if capability(cuda_device_index(q)) < (8, 9):
+    if capability(cuda_device_index(q)) < MIN_CAPABILITY:
         return "compute capability below 8.9 (no e4m3 conversion instructions)"
     rows, num_q_heads, head_dim = q.shape
     num_blocks, page_size, num_kv_heads, _ = k_cache.shape
@@ -169,7 +169,8 @@ def _configs(value: object) -> str | None:
         return "a non-empty list of objects with keys head_dims, group_sizes, page_sizes"
     for i, config in enumerate(value):
         if not isinstance(config, dict) or set(config) != set(fields):
-            return f"a list of objects with exactly the keys {sorted(fields)} (entry {i} is not)"
+            keys = ", ".join(sorted(fields))
+            return f"a list of objects with exactly the keys {keys} (entry {i} is not)"
         for key, check in fields.items():
             rule = check(config[key])
             if rule is not None:

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from jit_kernels import KernelSpec, capability, kernels_disabled, prepare, sm_count
+from jit_kernels import (
+    MIN_CAPABILITY,
+    KernelSpec,
+    capability,
+    kernels_disabled,
+    prepare,
+    sm_count,
+)
 from jit_kernels.args import require_int
 
 from .._jit import cuda_device_index
@@ -69,7 +76,7 @@ def warmup_qsa_fp8_decode(
         or width % 2
         or head_dim not in HEAD_DIMS
         or num_query_heads // num_kv_heads > MAX_GROUP
-        or capability(cuda_device_index(kv_cache)) < (8, 9)
+        or capability(cuda_device_index(kv_cache)) < MIN_CAPABILITY
     ):
         return ()
     cap = capability(device := cuda_device_index(kv_cache))
