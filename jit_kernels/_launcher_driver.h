@@ -14,6 +14,12 @@
  *
  * The symbols are resolved on first use (libcuda(), as open_driver does), so the module
  * still imports without a driver; a call there raises RuntimeError.
+ *
+ * The two loads and set_attribute (a loaded kernel's shared-memory opt-in) run with this
+ * thread's stream-capture mode relaxed: a load is no stream operation, but during a capture
+ * in torch's default global mode the driver refuses it (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+ * the capture invalidated), and a serving engine's capture of a batch size it never ran
+ * eagerly is a kernel's first use.
  */
 typedef struct CUlib_st *CUlibrary;
 typedef struct CUkern_st *CUkernel;
@@ -32,6 +38,8 @@ typedef CUresult (*FuncSetAttribute)(CUfunction, int, int);
 typedef CUresult (*FuncGetAttribute)(int *, int, CUfunction);
 typedef CUresult (*OccupancyBlocks)(int *, CUfunction, int, size_t);
 typedef CUresult (*OccupancyClusters)(int *, CUfunction, const CUlaunchConfig *);
+typedef CUresult (*ExchangeCaptureMode)(int *); /* cuThreadExchangeStreamCaptureMode */
+#define CU_STREAM_CAPTURE_MODE_RELAXED 2        /* cuda.h, CUstreamCaptureMode */
 /* cuda.h: CUtensorMap is 128 bytes, 64-byte aligned; the enums are ints. */
 typedef struct {
   _Alignas(64) unsigned long long opaque[16];
@@ -50,6 +58,7 @@ static struct {
   FuncGetAttribute get_attribute;
   OccupancyBlocks blocks;
   EncodeTiled encode_tiled;
+  ExchangeCaptureMode exchange_capture_mode;
   OccupancyClusters clusters; /* set last, under the GIL: the mark that all are set */
 } cu;
 
@@ -62,14 +71,15 @@ static int open_loader(void) {
     return -1;
   }
   /* cuLibrary* and cuTensorMapEncodeTiled are CUDA 12.0's; the others older. */
-  void *found[10] = {dlsym(lib, "cuTensorMapEncodeTiled"), dlsym(lib, "cuLibraryLoadData"),
+  void *found[11] = {dlsym(lib, "cuTensorMapEncodeTiled"), dlsym(lib, "cuLibraryLoadData"),
                      dlsym(lib, "cuLibraryGetKernel"),
                     dlsym(lib, "cuKernelGetFunction"), dlsym(lib, "cuModuleLoadData"),
                     dlsym(lib, "cuModuleGetFunction"), dlsym(lib, "cuFuncSetAttribute"),
                     dlsym(lib, "cuFuncGetAttribute"),
                     dlsym(lib, "cuOccupancyMaxActiveBlocksPerMultiprocessor"),
+                    dlsym(lib, "cuThreadExchangeStreamCaptureMode"),
                     dlsym(lib, "cuOccupancyMaxActiveClusters")};
-  for (int i = 0; i < 10; ++i) {
+  for (int i = 0; i < 11; ++i) {
     if (found[i] == NULL) {
       PyErr_SetString(PyExc_RuntimeError, "libcuda.so.1 lacks the CUDA 12 library API");
       return -1;
@@ -84,9 +94,18 @@ static int open_loader(void) {
   cu.set_attribute = (FuncSetAttribute)found[6];
   cu.get_attribute = (FuncGetAttribute)found[7];
   cu.blocks = (OccupancyBlocks)found[8];
-  cu.clusters = (OccupancyClusters)found[9];
+  cu.exchange_capture_mode = (ExchangeCaptureMode)found[9];
+  cu.clusters = (OccupancyClusters)found[10];
   return 0;
 }
+
+/* Relax this thread's capture mode (see the top); *previous: the mode to restore. */
+static CUresult relax_capture(int *previous) {
+  *previous = CU_STREAM_CAPTURE_MODE_RELAXED;
+  return cu.exchange_capture_mode(previous);
+}
+
+static void restore_capture(int previous) { cu.exchange_capture_mode(&previous); }
 
 /* PyArg "O&" converter: an int to a CUfunction handle, after the driver is opened. */
 static int function_arg(PyObject *obj, void *out) {
@@ -104,8 +123,10 @@ static PyObject *load_library(PyObject *module, PyObject *args) {
   CUkernel kernel = NULL;
   CUfunction function = NULL;
   CUresult err = open_loader() < 0 ? -1 : 0;
-  if (err == 0) {
+  int mode;
+  if (err == 0 && (err = relax_capture(&mode)) == 0) {
     err = cu.library_load(&library, image.buf, NULL, NULL, 0, NULL, NULL, 0);
+    restore_capture(mode);
   }
   if (err == 0) {
     err = cu.library_kernel(&kernel, library, entry);
@@ -129,8 +150,10 @@ static PyObject *load_module(PyObject *module, PyObject *args) {
   CUmodule handle = NULL;
   CUfunction function = NULL;
   CUresult err = open_loader() < 0 ? -1 : 0;
-  if (err == 0) {
+  int mode;
+  if (err == 0 && (err = relax_capture(&mode)) == 0) {
     err = cu.module_load(&handle, image.buf);
+    restore_capture(mode);
   }
   if (err == 0) {
     err = cu.module_function(&function, handle, entry);
@@ -148,7 +171,13 @@ static PyObject *set_attribute(PyObject *module, PyObject *args) {
   if (!PyArg_ParseTuple(args, "O&ii", function_arg, &f, &attribute, &value)) {
     return NULL;
   }
-  return PyLong_FromLong(cu.set_attribute(f, attribute, value));
+  int mode;
+  CUresult err = relax_capture(&mode); /* (part of a kernel's load: see the top) */
+  if (err == 0) {
+    err = cu.set_attribute(f, attribute, value);
+    restore_capture(mode);
+  }
+  return PyLong_FromLong(err);
 }
 
 static PyObject *get_attribute(PyObject *module, PyObject *args) {

@@ -11,6 +11,9 @@ to be built (``native.launcher``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from . import native
 
 # cuda.h's CUfunction_attribute values (tests/test_native_launch.py checks them against
@@ -45,6 +48,19 @@ def _check(result, what: str):
     return result[1] if len(result) == 2 else result[1:]
 
 
+@contextlib.contextmanager
+def _capture_relaxed(driver) -> Iterator[None]:
+    """This thread's stream-capture mode relaxed while a module loads: during a capture in
+    torch's default global mode the driver refuses a load (the launcher does the same in C,
+    _launcher_driver.h says why)."""
+    relaxed = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    previous = _check(driver.cuThreadExchangeStreamCaptureMode(relaxed), "capture mode")
+    try:
+        yield
+    finally:
+        driver.cuThreadExchangeStreamCaptureMode(previous)
+
+
 def load_kernel(cubin: bytes, entry: str, what: str) -> tuple[int, int]:
     """(library, function) of ``entry`` in ``cubin``."""
     launcher = native.launcher()
@@ -52,7 +68,9 @@ def load_kernel(cubin: bytes, entry: str, what: str) -> tuple[int, int]:
         return _check(launcher.load_library(cubin, entry.encode()), what)
     from cuda.bindings import driver
 
-    library = _check(driver.cuLibraryLoadData(cubin, [], [], 0, [], [], 0), "cuLibraryLoadData")
+    with _capture_relaxed(driver):
+        loaded = driver.cuLibraryLoadData(cubin, [], [], 0, [], [], 0)
+    library = _check(loaded, "cuLibraryLoadData")
     kernel = _check(driver.cuLibraryGetKernel(library, entry.encode()), what)
     return int(library), int(_check(driver.cuKernelGetFunction(kernel), what))
 
@@ -65,7 +83,9 @@ def load_module(image: bytes, entry: str, what: str, wait: bool = True) -> int:
         return _check(launcher.load_module(image, entry.encode()), what)[1]
     from cuda.bindings import driver
 
-    module = _check(driver.cuModuleLoadData(image), what)
+    with _capture_relaxed(driver):
+        loaded = driver.cuModuleLoadData(image)
+    module = _check(loaded, what)
     return int(_check(driver.cuModuleGetFunction(module, entry.encode()), what))
 
 
@@ -76,7 +96,8 @@ def set_attribute(function: int, attribute: int, value: int, what: str, wait: bo
         return
     from cuda.bindings import driver
 
-    (err,) = driver.cuFuncSetAttribute(function, driver.CUfunction_attribute(attribute), value)
+    with _capture_relaxed(driver):
+        (err,) = driver.cuFuncSetAttribute(function, driver.CUfunction_attribute(attribute), value)
     _check(int(err), what)
 
 

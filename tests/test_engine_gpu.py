@@ -90,6 +90,41 @@ def test_runs_on_a_side_stream(monkeypatch):
     _check(kv, pe, key, value)
 
 
+# A new process, so the kernel's first use (a compile or a cache read, its load, its launch)
+# falls inside the capture, as when an engine captures a batch size it never ran eagerly.
+FIRST_USE_IN_CAPTURE = """
+import torch
+from flashinfer_jit.mla_kv_pack import concat_mla_kv_quant_fp8
+from tests.test_engine_gpu import _check, _inputs
+from tests.test_mla_kv_pack_gpu import poisoned
+kv, pe = _inputs(48, 7)
+key, value = poisoned(48, 7, 192), poisoned(48, 7, 128)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):  # torch's default: a global-mode capture
+    concat_mla_kv_quant_fp8(kv, pe, key, value, backend="specialized")
+graph.replay()
+torch.cuda.synchronize()
+_check(kv, pe, key, value)
+print("served in the capture")
+"""
+
+
+def test_a_kernels_first_use_inside_a_graph_capture():
+    """The driver refuses a module load during a global-mode capture unless the loading
+    thread relaxes its capture mode (jit_kernels/_launcher_driver.h): strict, so a refusal
+    would raise instead of falling back."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, FLASHINFER_JIT_STRICT="1")
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", FIRST_USE_IN_CAPTURE], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0 and "served in the capture" in run.stdout, run.stderr[-3000:]
+
+
 def test_arch_limits_table_matches_the_device():
     """Launch configs are sized from jit_kernels.arch's table (prebuild has no device): the
     device must report the same opt-in shared memory per block."""

@@ -31,17 +31,24 @@ char seen_name[64];        /* the last entry name asked for */
 unsigned char seen_image[8];
 int seen_attr[3];          /* function (low bits), attribute, value of cuFuncSetAttribute */
 unsigned seen_config[8];   /* grid x, block x, smem, attribute id, cluster x, y, z, numAttrs */
+int capture_mode;          /* this (one) thread's stream-capture mode: 0 global, 2 relaxed */
+int mode_at_load[2];       /* capture_mode during the last library and module load */
+int cuThreadExchangeStreamCaptureMode(int *mode) {
+  int previous = capture_mode; capture_mode = *mode; *mode = previous; return 0; }
 static void image(const void *p) { memcpy(seen_image, p, 8); }
 int cuLibraryLoadData(void **lib, const void *code, void *o, void **v, unsigned n, void *lo,
-                      void **lv, unsigned ln) { image(code); *lib = (void *)0xA1; return result; }
+                      void **lv, unsigned ln) {
+  image(code); mode_at_load[0] = capture_mode; *lib = (void *)0xA1; return result; }
 int cuLibraryGetKernel(void **k, void *lib, const char *name) {
   strncpy(seen_name, name, 63); *k = (char *)lib + 1; return 0; }
 int cuKernelGetFunction(void **f, void *k) { *f = (char *)k + 1; return 0; }
-int cuModuleLoadData(void **m, const void *image_) { image(image_); *m = (void *)0xB1; return result; }
+int cuModuleLoadData(void **m, const void *image_) {
+  image(image_); mode_at_load[1] = capture_mode; *m = (void *)0xB1; return result; }
 int cuModuleGetFunction(void **f, void *m, const char *name) {
   strncpy(seen_name, name, 63); *f = (char *)m + 1; return 0; }
 int cuFuncSetAttribute(void *f, int attr, int value) {
-  seen_attr[0] = (int)(long)f; seen_attr[1] = attr; seen_attr[2] = value; return result; }
+  seen_attr[0] = (int)(long)f; seen_attr[1] = attr; seen_attr[2] = value + 1000000 * capture_mode;
+  return result; }
 int cuFuncGetAttribute(int *value, int attr, void *f) { *value = attr * 100 + (int)(long)f; return result; }
 int cuOccupancyMaxActiveBlocksPerMultiprocessor(int *n, void *f, int threads, unsigned long smem) {
   *n = threads + (int)smem; return result; }
@@ -76,6 +83,9 @@ name = lambda: (ctypes.c_char * 64).in_dll(fake, "seen_name").value.decode()
 seen["library name"] = name()
 seen["load_module"] = cu.load_module(b".version 7.8\\x00", "probe", "p")
 seen["module name"] = name()
+# loaded with the capture mode relaxed (2), then the thread's own (global, 0) restored
+seen["modes"] = list((ctypes.c_int * 2).in_dll(fake, "mode_at_load"))
+seen["mode after"] = ctypes.c_int.in_dll(fake, "capture_mode").value
 cu.set_attribute(0x42, cu.MAX_DYNAMIC_SHARED_SIZE_BYTES, 200000, "s")
 seen["set"] = list((ctypes.c_int * 3).in_dll(fake, "seen_attr"))
 seen["get"] = cu.get_attribute(0x42, cu.NUM_REGS, "g")
@@ -120,7 +130,8 @@ def test_driver_calls_reach_the_driver_and_errors_raise(tmp_path, monkeypatch):
     assert seen["load_kernel"] == [0xA1, 0xA3] and seen["library image"] == "CUBINxyz"
     assert seen["library name"] == "entry_a"
     assert seen["load_module"] == 0xB2 and seen["module name"] == "probe"
-    assert seen["set"] == [0x42, 8, 200000]
+    assert seen["modes"] == [2, 2] and seen["mode after"] == 0  # loads pass a global capture
+    assert seen["set"] == [0x42, 8, 200000 + 2000000]  # the value, set while relaxed
     assert seen["get"] == 4 * 100 + 0x42 and seen["blocks"] == 256 + 1000
     # one cluster of 8 CTAs of 128 threads, 70000 B each; the cluster-dimension attribute
     assert seen["clusters"] == 15 and seen["config"] == [8, 128, 70000, 4, 8, 1, 1, 1]
@@ -228,3 +239,23 @@ def test_gpu_cluster_occupancy_alike_before_and_after_the_launcher(monkeypatch):
     for cached in (occupancy._probe_function, occupancy.max_active_clusters):
         cached.cache_clear()
     assert answers[0] == answers[1] and min(answers[0]) >= 1
+
+
+def test_cuda_python_loads_relax_the_capture_mode_too():
+    """Without the launcher, cuda-python's loads run inside the same exchange: relaxed for
+    the load, the thread's previous mode restored after (also when the load raises)."""
+    calls = []
+
+    class Driver:  # cuda-python's signature: (CUresult, previous mode)
+        CUstreamCaptureMode = SimpleNamespace(CU_STREAM_CAPTURE_MODE_RELAXED=2)
+
+        @staticmethod
+        def cuThreadExchangeStreamCaptureMode(mode):
+            calls.append(mode)
+            return 0, (0 if len(calls) == 1 else 2)
+
+    with cu._capture_relaxed(Driver):
+        calls.append("load")
+    with pytest.raises(RuntimeError), cu._capture_relaxed(Driver):
+        raise RuntimeError("the load failed")
+    assert calls == [2, "load", 0, 2, 2]
