@@ -190,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prebuild", help="compile the shipped workloads' kernels")
     p.add_argument(
         "--arch",
-        help="archs from sm_89 that NVRTC lists, e.g. sm_90a,sm_100a or '9.0a 10.0a' "
+        help="archs from sm_90 that NVRTC lists, e.g. sm_90a,sm_100a or '9.0a 10.0a' "
         "(default: $FLASHINFER_JIT_ARCHS, else the GPUs', else sm_90a,sm_100a,sm_103a,sm_107a)",
     )
     p.add_argument("--ops", help=f"comma-separated ops among {','.join(OPS)} (default: all)")

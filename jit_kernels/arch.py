@@ -11,9 +11,11 @@ import torch
 # sm_107a (Rubin) is compiled for, never run here: NVRTC 13 lists it (nvrtcGetSupportedArchs).
 DEFAULT_OFFLINE_ARCHS = ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
 ARCH_ENV = "FLASHINFER_JIT_ARCHS"
-# The oldest compute capability the package builds for and runs on: every op converts to or
-# from e4m3 (cvt.*.e4m3x2 needs sm_89). prebuild refuses older archs, the ops older devices.
-MIN_CAPABILITY = (8, 9)
+# The oldest compute capability the package builds for and runs on: Hopper. Every op
+# converts to or from e4m3 (sm_89 has that), but the templates use sm_90 features (the MQA
+# kernels' .op_restrict, the clusters beside the QSA single pass): an sm_89 build fails
+# (session 31's review). prebuild refuses older archs, the ops older devices (torch path).
+MIN_CAPABILITY = (9, 0)
 # The first compute capability of each target suffix: arch-specific ("a") from Hopper, family
 # ("f") from Blackwell. NVRTC refuses sm_89a or sm_90f ("invalid value for --nv_arch").
 SUFFIX_SINCE = {"": MIN_CAPABILITY, "a": (9, 0), "f": (10, 0)}
@@ -25,7 +27,6 @@ SUFFIX_SINCE = {"": MIN_CAPABILITY, "a": (9, 0), "f": (10, 0)}
 # sm_107a is compiled for but never run here: taken as the other cc 10.x parts' (checked by
 # the GPU test on the first device that has it).
 _SMEM_PER_BLOCK = {
-    (8, 9): 101376,
     (9, 0): 232448,
     (10, 0): 232448,
     (10, 3): 232448,
@@ -150,7 +151,7 @@ def buildable(archs: tuple[str, ...]) -> tuple[str, ...]:
             which = f"{listed} (NVRTC {nvrtc[0]}'s from {_name(MIN_CAPABILITY)})"
         suffixes = ", ".join(f"'{s}' from {_name(c)}" for s, c in SUFFIX_SINCE.items() if s)
         raise ValueError(
-            f"cannot build {arch}: the package builds {which}, its ops converting e4m3; "
+            f"cannot build {arch}: the package builds {which} (its templates use sm_90's); "
             f"suffix {suffixes}"
         )
     return archs

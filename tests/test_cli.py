@@ -63,12 +63,12 @@ def test_bad_arguments_are_one_line_and_exit_2(capsys, jit_cache, argv, words):
     assert not jit_cache.exists() or not any(jit_cache.rglob("*.cubin"))
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_50", "sm_999", "sm_89a", "sm_90f", "8.6"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_50", "sm_999", "sm_89", "sm_89a", "sm_90f", "8.6"])
 def test_an_arch_the_package_cannot_build_is_refused(capsys, jit_cache, arch):
     """sm_80 and the like were listed by --dry-run, then failed kernel by kernel."""
     code, _, err = _run(capsys, "prebuild", "--dry-run", "--arch", arch)
     line = _one_error_line(err)
-    assert code == 2 and "cannot build sm_" in line and "the package builds sm_89, sm_90," in line
+    assert code == 2 and "cannot build sm_" in line and "the package builds sm_90, sm_100," in line
 
 
 @pytest.mark.parametrize("value", ["sm_xx", "9.0a,bogus", ", ,", "sm90a", "8.6"])
@@ -83,12 +83,12 @@ def test_torch_arch_syntax_is_accepted(monkeypatch):
 
     assert target_archs("9.0a 10.0a") == ("sm_90a", "sm_100a")
     assert target_archs("9.0a;10.3a,sm_90a") == ("sm_90a", "sm_103a")
-    assert target_archs("8.9 sm_100f 12.0a") == ("sm_89", "sm_100f", "sm_120a")
+    assert target_archs("9.0 sm_100f 12.0a") == ("sm_90", "sm_100f", "sm_120a")
     monkeypatch.setenv("FLASHINFER_JIT_ARCHS", "9.0a 10.0a")
     assert target_archs() == ("sm_90a", "sm_100a")
 
 
-def test_without_nvrtc_archs_from_8_9_are_accepted(monkeypatch):
+def test_without_nvrtc_archs_from_9_0_are_accepted(monkeypatch):
     """A machine whose NVRTC does not load cannot ask it which archs it compiles for."""
     from jit_kernels import nvrtc_lib, target_archs
 
@@ -96,9 +96,9 @@ def test_without_nvrtc_archs_from_8_9_are_accepted(monkeypatch):
         raise OSError("libnvrtc.so.13: cannot open shared object file")
 
     monkeypatch.setattr(nvrtc_lib, "supported_archs", no_nvrtc)
-    assert target_archs("sm_999,sm_89") == ("sm_999", "sm_89")
-    with pytest.raises(ValueError, match=r"cannot build sm_86: the package builds sm_89 and newer"):
-        target_archs("sm_86")
+    assert target_archs("sm_999,sm_90") == ("sm_999", "sm_90")
+    with pytest.raises(ValueError, match=r"cannot build sm_89: the package builds sm_90 and newer"):
+        target_archs("sm_89")
 
 
 @pytest.mark.parametrize(

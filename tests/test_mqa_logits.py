@@ -367,3 +367,11 @@ def test_rejects_bad_schedule():
     a = _args()
     with pytest.raises(ValueError, match="schedule_meta"):
         _call(a, schedule_meta=torch.zeros(3, 2, dtype=torch.int64))
+    # the lengths' own schedule serves; one computed for longer lengths is stale (on a GPU
+    # the direct kernel would run past the batch): refused where values are checked
+    current = compute_paged_mqa_logits_schedule(a["seq_lens"], 64, num_sms=3)
+    _call(a, schedule_meta=current)
+    stale = compute_paged_mqa_logits_schedule(a["seq_lens"] * 9, 64, num_sms=3)
+    assert not torch.equal(stale, current)
+    with pytest.raises(ValueError, match="reuse a schedule only while"):
+        _call(a, schedule_meta=stale)

@@ -339,3 +339,17 @@ def test_refusals_found_in_review():
         kv_nope, k_pe = (t.to(dtype) for t in mla_inputs(4, 2))
         with pytest.raises(TypeError, match="kv_nope must be a floating tensor of 16 bits"):
             concat_mla_kv_quant_fp8(kv_nope, k_pe)
+
+
+def test_qsa_topk_within_the_slot_pass_grid():
+    """TOPK past 65535 slot-pass CTAs of 256 one-entry threads would fail at launch: the
+    kernels refuse it (the torch path serves) instead; so do rows x Hkv past grid.x."""
+    from flashinfer_jit.qsa import checks as qsa_checks
+    from flashinfer_jit.qsa import kernels as qk
+
+    most = 65535 * qk.SLOT_THREADS
+    assert qsa_checks.MAX_TOPK == most
+    assert qsa_checks.grid_refusal(4, 8, most) is None
+    assert "TOPK too large" in qsa_checks.grid_refusal(4, 8, most + 1)
+    assert qsa_checks.grid_refusal(2**28 - 1, 8, 64) is None
+    assert "too large" in qsa_checks.grid_refusal(2**28, 8, 64)

@@ -139,6 +139,8 @@ def mqa_stub(stub, monkeypatch):
     plan = KernelPlan(kernel, (7, 1, 1), (288, 1, 1), 99)
     monkeypatch.setattr(mq_plan, "kernel_plan", lambda *a: plan)
     fake_device(monkeypatch, mq_plan, mq_launch)
+    # The stub's CPU tensors stand for a GPU's, whose values are checked only on request.
+    monkeypatch.setattr(mq_op, "validate_values", lambda device: validate_inputs())
     count_full_path(monkeypatch, mq.OP, stub)
     return stub
 
@@ -246,8 +248,6 @@ def test_mqa_switches_take_effect_on_the_next_call(mqa_stub, monkeypatch, by):
     monkeypatch.delenv("FLASHINFER_SPECIALIZED_KERNEL_DISABLE")
     checked = []
     monkeypatch.setattr(mq_op, "validate_preconditions", lambda *a: checked.append(a))
-    # The stub's CPU tensors stand for a GPU's, whose values are checked only on request.
-    monkeypatch.setattr(mq_op, "validate_values", lambda device: validate_inputs())
     monkeypatch.setenv("FLASHINFER_VALIDATE_INPUTS", "1")
     assert stub.runs(lambda: mq.fp8_paged_mqa_logits(**base)) == 1 and len(checked) == 1
     monkeypatch.delenv("FLASHINFER_VALIDATE_INPUTS")

@@ -27,6 +27,7 @@ from .checks import (
 from .launch import Launch
 from .plan import MqaLogitsOptions, launch_for, prebuild_specs, prebuilt_on
 from .reference import paged_mqa_logits_torch
+from .schedule import check_current
 
 
 class MqaLogits(Op[Launch, MqaLogitsOptions]):
@@ -71,6 +72,8 @@ class MqaLogits(Op[Launch, MqaLogitsOptions]):
             check_schedule(schedule_meta, q.device)
         if validate_values(q.device):
             validate_preconditions(kv_fused, block_tables, seq_lens, max_seq_len, block_size)
+            if schedule_meta is not None:
+                check_current(schedule_meta, seq_lens)
         return (*args[:10], out, args[11])
 
     def empty(self, args: tuple) -> bool:
@@ -82,7 +85,7 @@ class MqaLogits(Op[Launch, MqaLogitsOptions]):
     def refusal(self, args: tuple) -> str | None:
         q, kv_fused = args[0], args[1]
         if capability(cuda_device_index(q)) < MIN_CAPABILITY:
-            return "compute capability below 8.9 (no e4m3 conversions)"
+            return "compute capability below 9.0 (the kernels use Hopper's features)"
         if kv_fused.data_ptr() % 16 or q.data_ptr() % 16:
             return "kv_fused or q is not 16-byte aligned"
         return None

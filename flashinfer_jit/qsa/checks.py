@@ -20,6 +20,7 @@ from ..workload_format import Fields, int_list
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16
+MAX_TOPK = 65535 * 256  # the slot pass's grid.y limit x its threads (kernels.SLOT_THREADS)
 
 
 # -- argument checks -----------------------------------------------------------------------
@@ -138,7 +139,7 @@ def kernel_refusal(q, k_cache, v_cache, logical_indices, out, output_gate) -> st
     if q.device.type != "cuda":
         return "tensors are not on a CUDA device"
     if capability(cuda_device_index(q)) < MIN_CAPABILITY:
-        return "compute capability below 8.9 (no e4m3 conversion instructions)"
+        return "compute capability below 9.0 (the kernels use Hopper's features)"
     rows, num_q_heads, head_dim = q.shape
     num_blocks, page_size, num_kv_heads, _ = k_cache.shape
     if head_dim not in HEAD_DIMS:
@@ -153,7 +154,14 @@ def kernel_refusal(q, k_cache, v_cache, logical_indices, out, output_gate) -> st
         return "a k_cache/v_cache stride of 2**32 bytes or more (the kernel keeps 32-bit strides)"
     if num_blocks << offset_bits(page_size) >= 2**31:
         return f"{num_blocks} blocks x page {page_size} overflow the int32 slot encoding"
-    if rows * num_kv_heads >= 2**31 or logical_indices.shape[1] - 1 >= 2**26:
+    return grid_refusal(rows, num_kv_heads, logical_indices.shape[1] - 1)
+
+
+def grid_refusal(rows: int, num_kv_heads: int, topk: int) -> str | None:
+    """Why the launch grids cannot hold this call: grid.x is rows * Hkv (+ 1 for the slot
+    pass's order), the slot pass's grid.y the TOPK columns over 256 threads of one entry
+    each at most (QsaOptions.slot_entries >= 1), at most 65535."""
+    if rows * num_kv_heads >= 2**31 - 1 or topk > MAX_TOPK:
         return "rows * num_kv_heads or TOPK too large for the launch grid"
     return None
 
