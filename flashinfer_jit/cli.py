@@ -185,6 +185,7 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="flashinfer-jit", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prebuild", help="compile the shipped workloads' kernels")

@@ -55,13 +55,22 @@ def _first_line(command: list[str]) -> str:
     return lines[0] if run.returncode == 0 and lines else f"unavailable (exit {run.returncode})"
 
 
+def _unloaded(exc: Exception) -> str:
+    """One line, each reason once, for why NVRTC did not load. cuda.pathfinder's error says
+    'Failure finding "libnvrtc.so.13 or ...": No such file: ..., No such file: ...' (the
+    same words for each search step) and lists the folders it searched on lines below."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    head, sep, reasons = (lines[0] if lines else type(exc).__name__).partition(": ")
+    return f"unavailable ({head}{sep}{', '.join(dict.fromkeys(reasons.split(', ')))})"
+
+
 def _compilers() -> dict[str, str]:
     from jit_kernels import nvrtc_version
 
     try:
         nvrtc = nvrtc_version()
     except Exception as exc:  # no NVRTC library is a state to report, not a crash
-        nvrtc = f"unavailable ({exc})"
+        nvrtc = _unloaded(exc)
     from jit_kernels.compile import cute_dsl_refusal
     from jit_kernels.ptxas import ptxas_path
 
