@@ -2,8 +2,9 @@
 
 A record binds its entry: the cache key (which is also the file name), the spec label,
 the family and arch (which are also the folders), the package version (the top folder),
-the cubin's size and sha256, and its entry symbol (which the cubin must name). An entry copied or renamed under another key, family,
-arch or version no longer matches its record, so it is never served as another kernel.
+the cubin's size and sha256, and its entry symbol (which the cubin must name). An entry
+copied or renamed under another key, family, arch or version no longer matches its record,
+so it is never served as another kernel.
 A record that does not parse into this shape is a corrupt entry, like a bad checksum.
 """
 
