@@ -375,3 +375,18 @@ def test_rejects_bad_schedule():
     assert not torch.equal(stale, current)
     with pytest.raises(ValueError, match="reuse a schedule only while"):
         _call(a, schedule_meta=stale)
+
+
+def test_a_pool_of_no_blocks_takes_the_torch_path(monkeypatch):
+    """A pool of no blocks (every length 0) has no tensor map for the TMA kernel to encode:
+    the kernels refuse it before planning (it raised from the encode at run time), and the
+    torch path writes nothing to attend."""
+    import flashinfer_jit.mqa_logits.op as mq_op
+
+    a = _args()
+    empty = dict(a, kv_fused=a["kv_fused"][:0], seq_lens=torch.zeros_like(a["seq_lens"]))
+    monkeypatch.setattr(mq_op, "capability", lambda device: (9, 0))  # as on an H200
+    monkeypatch.setattr(mq_op, "cuda_device_index", lambda t: 0)
+    args = tuple(empty[k] for k in ("q", "kv_fused", "weights", "block_tables", "seq_lens"))
+    assert mq_op.OP.refusal(args + (empty["max_seq_len"],)) == "kv_fused has no blocks"
+    _call(empty)  # CPU: the torch path

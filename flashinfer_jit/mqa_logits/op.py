@@ -88,6 +88,8 @@ class MqaLogits(Op[Launch, MqaLogitsOptions]):
             return "compute capability below 9.0 (the kernels use Hopper's features)"
         if kv_fused.data_ptr() % 16 or q.data_ptr() % 16:
             return "kv_fused or q is not 16-byte aligned"
+        if kv_fused.shape[0] == 0:  # no tensor map to encode (every length is 0 then)
+            return "kv_fused has no blocks"
         return None
 
     def plan(self, args: tuple, options: MqaLogitsOptions) -> Launch:
