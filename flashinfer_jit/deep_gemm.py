@@ -185,8 +185,6 @@ def _check_lens_order(context_lens: torch.Tensor) -> None:
     """The newest slot's length must be the largest (validate_values; syncs on a GPU)."""
     if context_lens.dim() != 2 or context_lens.numel() == 0:
         return
-    if context_lens.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return
     if bool((context_lens > context_lens[:, -1:]).any()):
         raise ValueError(
             "context_lens[b, t] exceeds context_lens[b, next_n - 1]: the kernels compute each "

@@ -39,12 +39,14 @@ def validate_inputs() -> bool:
 def validate_values(device: torch.device) -> bool:
     """Whether an op checks the values of its inputs on ``device`` (lengths, table entries):
     always off the GPU, where reading them costs no sync and the torch path would otherwise
-    index with them as given; on a GPU under FLASHINFER_VALIDATE_INPUTS=1. Never while
-    torch.compile traces (fake tensors hold no values: the compiled call checks them when
-    its custom op runs)."""
+    index with them as given; on a GPU under FLASHINFER_VALIDATE_INPUTS=1, except during
+    graph capture (a check syncs). Never while torch.compile traces (fake tensors hold no
+    values: the compiled call checks them when its custom op runs)."""
     if torch.compiler.is_compiling():
         return False
-    return device.type != "cuda" or validate_inputs()
+    if device.type != "cuda":
+        return True
+    return validate_inputs() and not torch.cuda.is_current_stream_capturing()
 
 
 def fall_back(op: str, reason: str) -> None:

@@ -323,8 +323,6 @@ def validate_preconditions(
 ) -> None:
     """The caller's preconditions (jit_kernels.validate_values: CPU tensors, and on a GPU
     under FLASHINFER_VALIDATE_INPUTS=1, where it syncs; skipped in capture)."""
-    if seq_lens.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return
     lens = seq_lens.to("cpu", torch.int64)
     if lens.numel() == 0:
         return

@@ -96,9 +96,7 @@ def check_current(schedule: torch.Tensor, seq_lens: torch.Tensor) -> None:
     """A given schedule must be the one these lengths give (jit_kernels.validate_values: CPU
     tensors, and on a GPU under FLASHINFER_VALIDATE_INPUTS=1, where it syncs): one computed
     for other lengths hands a CTA more tiles than its run holds, which only the padding of
-    some kernels absorbs. Skipped during graph capture."""
-    if seq_lens.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return
+    some kernels absorbs."""
     current = compute_paged_mqa_logits_schedule(seq_lens, 64, schedule.shape[0] - 1)
     if not torch.equal(current.cpu(), schedule.cpu()):
         raise ValueError(
